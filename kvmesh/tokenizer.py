@@ -1,0 +1,146 @@
+"""Tokenizers and the one chat template, shared by intake (to tokenize) and workers (to detokenize).
+
+The chat template is prefix-stable: the prompt of turn N+1 begins with exactly the tokens of turn N's
+prompt followed by turn N's answer, which is what lets a multi-turn conversation reuse its KV blocks::
+
+    turn 1 prompt:  BOS SYS s.. END USER q1.. END ASSIST
+    turn 1 answer:                                      a1..            (generated)
+    turn 2 prompt:  BOS SYS s.. END USER q1.. END ASSIST a1.. END USER q2.. END ASSIST
+
+For that to hold, detokenize → tokenize must give back the same tokens for everything a model can
+generate. The byte tokenizer guarantees it by letting the model generate only printable ASCII, newline
+and END (see :meth:`ByteTokenizer.generation_vocab`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer(Protocol):
+    """What intake and workers need of a tokenizer."""
+
+    vocab_size: int
+    bos_id: int
+    end_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def role_ids(self, role: str) -> list[int]: ...
+
+    def generation_vocab(self) -> list[int] | None: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, plus special tokens for the chat template."""
+
+    BOS, END, SYSTEM, USER, ASSISTANT, TOOL = 256, 257, 258, 259, 260, 261
+    vocab_size = 320  # room for more specials; a multiple of 64 keeps embedding matmuls aligned
+    bos_id = BOS
+    end_id = END
+
+    _ROLES: ClassVar[dict[str, int]] = {
+        "system": SYSTEM,
+        "user": USER,
+        "assistant": ASSISTANT,
+        "tool": TOOL,
+        "developer": SYSTEM,
+    }
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def role_ids(self, role: str) -> list[int]:
+        try:
+            return [self._ROLES[role]]
+        except KeyError:
+            raise ValueError(f"unknown chat role {role!r}") from None
+
+    def generation_vocab(self) -> list[int] | None:
+        # Printable ASCII, newline and END: every such sequence survives decode → encode unchanged.
+        return [10, *range(32, 127), self.END]
+
+
+class HFTokenizer:
+    """A local ``tokenizer.json`` through the ``tokenizers`` package (never downloaded)."""
+
+    def __init__(self, path: str | Path, bos: str | None = None, end: str | None = None) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        self._tok = _HF.from_file(str(p))
+        self.vocab_size = self._tok.get_vocab_size()
+        vocab = self._tok.get_vocab()
+
+        def pick(*names: str) -> int:
+            for n in names:
+                if n in vocab:
+                    return vocab[n]
+            return 0
+
+        self.bos_id = vocab[bos] if bos else pick("<|begin_of_text|>", "<s>", "<|endoftext|>")
+        self.end_id = vocab[end] if end else pick("<|eot_id|>", "<|im_end|>", "</s>", "<|endoftext|>")
+        self._vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def role_ids(self, role: str) -> list[int]:
+        for name in (f"<|start_header_id|>{role}<|end_header_id|>", f"<|im_start|>{role}"):
+            if name in self._vocab:
+                return [self._vocab[name]]
+        return self.encode(f"<|{role}|>\n")
+
+    def generation_vocab(self) -> list[int] | None:
+        return None
+
+
+def render_chat(
+    tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
+    """Render chat messages to prompt tokens with the prefix-stable template above."""
+    ids = [tok.bos_id]
+    for m in messages:
+        ids += tok.role_ids(m.role)
+        ids += tok.encode(m.content)
+        ids.append(tok.end_id)
+    if add_generation_prompt:
+        ids += tok.role_ids("assistant")
+    return ids
+
+
+def render_history(tok: Tokenizer, messages: Sequence[ChatMessage]) -> list[int]:
+    """Prompt tokens for ``messages`` where a trailing assistant message is still being generated.
+
+    Used to check the prefix property: ``render_history(m + [answer])`` starts with ``render_chat(m)``.
+    """
+    if messages and messages[-1].role == "assistant":
+        head = render_chat(tok, messages[:-1], add_generation_prompt=True)
+        return head + tok.encode(messages[-1].content)
+    return render_chat(tok, messages)
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """The byte tokenizer, or a local Hugging Face tokenizer when ``path`` names one."""
+    if path:
+        return HFTokenizer(path)
+    return ByteTokenizer()

@@ -1,0 +1,298 @@
+"""The message types that travel between services, one frozen dataclass each.
+
+Schema evolution rules (msgspec's): a new field is appended with a default; an existing field never
+changes type or meaning; a breaking change bumps ``VERSION`` and readers list the versions they accept
+in ``READS``. Every class carries ``SCHEMA`` (its wire name) and ``VERSION``.
+
+Times on the wire are integer milliseconds since the Unix epoch (``*_ms``) taken by the producer of
+the event; decisions never read the clock themselves, they read these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+# Tier names, fastest first. The order is the demotion order of a worker's KV cache.
+Tier = Literal["gpu", "dram", "disk"]
+TIERS: tuple[str, ...] = ("gpu", "dram", "disk")
+
+FinishReason = Literal["stop", "length", "error", "rejected", "cancelled"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 10.0:
+            raise ValueError("temperature must be in [0, 10]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A tokenized chat turn, published by intake (or the producer SDK) keyed by ``session_id``.
+
+    ``block_hashes`` are the chained hashes of the full blocks of ``token_ids`` (schemas.blocks), salted
+    with ``namespace``; the first ``public_prefix_tokens`` tokens may be salted with the public namespace.
+    ``reply_topic`` lets several intakes share the fleet: each reads the replies addressed to it.
+    """
+
+    SCHEMA: ClassVar[str] = "chat_request"
+    VERSION: ClassVar[int] = 1
+
+    request_id: str
+    session_id: str
+    tenant: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    block_size: int
+    max_tokens: int
+    arrival_ms: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    deadline_ms: int | None = None
+    namespace: bytes = b"public"
+    public_prefix_tokens: int = 0
+    model: str = "kvmesh-tiny"
+    reply_topic: str = "kvmesh.replies"
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.request_id or not self.session_id:
+            raise ValueError("request_id and session_id must be non-empty")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if len(self.block_hashes) != len(self.token_ids) // self.block_size:
+            raise ValueError("block_hashes must hold one hash per full block of token_ids")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    """The client went away: stop work on ``request_id`` (intake → scheduler → worker)."""
+
+    SCHEMA: ClassVar[str] = "cancel_request"
+    VERSION: ClassVar[int] = 1
+
+    request_id: str
+    session_id: str
+    reason: str = "client_disconnected"
+    worker_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """Blocks to pull from one peer before prefill: ``block_hashes`` are consecutive prompt blocks."""
+
+    peer_worker: str
+    peer_address: str
+    block_hashes: list[int]
+    first_block: int
+    tier: str = "gpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """The scheduler's estimate of time to first token on the chosen worker, and its parts (ms)."""
+
+    ttft_ms: float
+    queue_ms: float
+    recompute_ms: float
+    transfer_ms: float
+    policy: str
+    cached_blocks: int = 0
+    fetched_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """The scheduler's decision for one request, keyed by ``worker_id``.
+
+    Blocks [0, reuse_blocks) are expected on the worker; each FetchPlan covers a following run of
+    blocks to pull from a peer; the rest of the prompt (``prefill_tokens``) is recomputed. The worker
+    checks all of it and falls back to recompute for whatever is not really there.
+    """
+
+    SCHEMA: ClassVar[str] = "assignment"
+    VERSION: ClassVar[int] = 1
+
+    request: ChatRequest
+    worker_id: str
+    reuse_blocks: int
+    prefill_tokens: int
+    estimate: Estimate
+    fetch: list[FetchPlan] = field(default_factory=list)
+    scheduler_id: str = ""
+    decision_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Newly generated tokens of one request, in order (``index`` is the first token's position)."""
+
+    SCHEMA: ClassVar[str] = "token_chunk"
+    VERSION: ClassVar[int] = 1
+
+    request_id: str
+    worker_id: str
+    index: int
+    token_ids: list[int]
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The end of a request, success or not; the only message that says how the prompt was served."""
+
+    SCHEMA: ClassVar[str] = "completion"
+    VERSION: ClassVar[int] = 1
+
+    request_id: str
+    session_id: str
+    worker_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    reused_tokens: int = 0
+    fetched_tokens: int = 0
+    recomputed_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    e2e_ms: float = 0.0
+    error: str | None = None
+    fallback: str | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """A change of a worker's KV cache, keyed by ``worker_id``.
+
+    kind: ``stored`` (blocks now in ``tier``), ``removed`` (blocks gone from the worker), ``moved``
+    (blocks went from ``from_tier`` to ``tier``), ``cleared`` (every block of the worker is gone; the
+    lists are empty). ``parent_hashes[i]`` is the parent of ``block_hashes[i]`` (0 for a first block).
+    """
+
+    SCHEMA: ClassVar[str] = "kv_event"
+    VERSION: ClassVar[int] = 1
+
+    worker_id: str
+    kind: Literal["stored", "removed", "moved", "cleared"]
+    tier: str
+    block_hashes: list[int]
+    parent_hashes: list[int] = field(default_factory=list)
+    from_tier: str | None = None
+    session_id: str | None = None
+    event_ms: int = 0
+
+    def __post_init__(self) -> None:
+        if self.parent_hashes and len(self.parent_hashes) != len(self.block_hashes):
+            raise ValueError("parent_hashes must be empty or as long as block_hashes")
+        if self.tier not in TIERS:
+            raise ValueError(f"unknown tier {self.tier!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Capacity of one tier of a worker's KV cache, in blocks."""
+
+    tier: str
+    free_blocks: int
+    total_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """A worker's load and measured speed, keyed by ``worker_id``; also its liveness heartbeat.
+
+    The speed figures feed the shared cost model (kvmesh.costmodel) so the scheduler's estimates follow
+    the machine: prefill cost per token, decode step time, link bandwidth and per-transfer latency.
+    """
+
+    SCHEMA: ClassVar[str] = "load_report"
+    VERSION: ClassVar[int] = 1
+
+    worker_id: str
+    report_ms: int
+    queue_depth: int
+    active_requests: int
+    active_tokens: int
+    queued_prefill_tokens: int
+    tiers: list[TierUsage]
+    transfer_address: str
+    block_size: int
+    block_bytes: int
+    prefill_ms_per_token: float
+    prefill_ms_per_token_per_ctx: float = 0.0
+    decode_ms_per_step: float = 0.0
+    link_gbps: float = 1.0
+    link_latency_ms: float = 1.0
+    model: str = "kvmesh-tiny"
+    max_context: int = 4096
+    started_ms: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLost:
+    """The KV manager declares a worker gone; its blocks are no longer anywhere in the fleet view."""
+
+    SCHEMA: ClassVar[str] = "worker_lost"
+    VERSION: ClassVar[int] = 1
+
+    worker_id: str
+    last_seen_ms: int
+    declared_ms: int
+    reason: str = "heartbeat_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicateCommand:
+    """Ask ``target_worker`` to pull ``block_hashes`` (a chained run) from ``source_worker``."""
+
+    SCHEMA: ClassVar[str] = "replicate_command"
+    VERSION: ClassVar[int] = 1
+
+    command_id: str
+    target_worker: str
+    source_worker: str
+    source_address: str
+    block_hashes: list[int]
+    namespace: bytes
+    tier: str = "dram"
+    reason: str = "hot_prefix"
+
+
+@dataclass(frozen=True, slots=True)
+class RetainHint:
+    """Ask ``worker_id`` to keep a session's blocks in a lower tier rather than drop them (multi-turn)."""
+
+    SCHEMA: ClassVar[str] = "retain_hint"
+    VERSION: ClassVar[int] = 1
+
+    worker_id: str
+    session_id: str
+    block_hashes: list[int]
+    until_ms: int
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    ChatRequest,
+    CancelRequest,
+    Assignment,
+    TokenChunk,
+    Completion,
+    KvEvent,
+    LoadReport,
+    WorkerLost,
+    ReplicateCommand,
+    RetainHint,
+)

@@ -1,0 +1,1 @@
+"""The four kvmesh services: intake, scheduler, worker, kvmanager (each runnable as python -m services.X)."""

@@ -1,0 +1,1 @@
+"""kvmesh intake service."""

@@ -1,0 +1,1 @@
+"""kvmesh kvmanager service."""

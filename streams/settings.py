@@ -1,0 +1,69 @@
+"""Connection settings for Kafka and Redis, shared by every service's settings object.
+
+Secrets are ``SecretStr``: they reach aiokafka and redis-py but never a log line, an event or a repr.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, SecretStr
+
+
+class KafkaSettings(BaseModel):
+    """How to reach the broker. Defaults fit the embedded dev broker on loopback."""
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    client_id: str = "kvmesh"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_record_bytes: int = 1 << 20
+    # Short group timeouts make consumer groups join in seconds on small brokers (tansu) and in tests.
+    session_timeout_ms: int = 6000
+    rebalance_timeout_ms: int = 3000
+    heartbeat_interval_ms: int = 500
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments common to AIOKafkaProducer and AIOKafkaConsumer."""
+        kw: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap_servers,
+            "client_id": self.client_id,
+            "security_protocol": self.security_protocol,
+        }
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            kw["ssl_context"] = create_ssl_context(
+                cafile=self.ssl_cafile, certfile=self.ssl_certfile, keyfile=self.ssl_keyfile
+            )
+        if self.sasl_mechanism:
+            kw["sasl_mechanism"] = self.sasl_mechanism
+            kw["sasl_plain_username"] = self.sasl_username
+            if self.sasl_password is not None:
+                kw["sasl_plain_password"] = self.sasl_password.get_secret_value()
+        return kw
+
+
+class RedisSettings(BaseModel):
+    """How to reach Redis: ``redis://`` or ``rediss://`` (TLS) with optional user and password."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    password: SecretStr | None = None
+    socket_timeout_s: float = 2.0
+
+    def client_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.socket_timeout_s,
+        }
+        if self.username:
+            kw["username"] = self.username
+        if self.password is not None:
+            kw["password"] = self.password.get_secret_value()
+        return kw

@@ -7,11 +7,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, SecretStr
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class KafkaSettings(BaseModel):
-    """How to reach the broker. Defaults fit the embedded dev broker on loopback."""
+class KafkaSettings(BaseSettings):
+    """How to reach the broker. Defaults fit the embedded dev broker on loopback.
+
+    Read from ``KVMESH_KAFKA_*`` (e.g. ``KVMESH_KAFKA_BOOTSTRAP_SERVERS``) so that one environment
+    configures every service of a host; a service's own settings may still override it.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_KAFKA_", extra="ignore")
 
     bootstrap_servers: str = "127.0.0.1:9092"
     client_id: str = "kvmesh"
@@ -49,8 +56,13 @@ class KafkaSettings(BaseModel):
         return kw
 
 
-class RedisSettings(BaseModel):
-    """How to reach Redis: ``redis://`` or ``rediss://`` (TLS) with optional user and password."""
+class RedisSettings(BaseSettings):
+    """How to reach Redis: ``redis://`` or ``rediss://`` (TLS) with optional user and password.
+
+    Read from ``KVMESH_REDIS_*`` (e.g. ``KVMESH_REDIS_URL``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_REDIS_", extra="ignore")
 
     url: str = "redis://127.0.0.1:6379/0"
     username: str | None = None

@@ -1,0 +1,275 @@
+"""The embedded default: broker + Redis + every service on loopback, as one process tree.
+
+Used by ``kvmesh dev`` (foreground, Ctrl-C stops all), by ``kvmesh demo`` and ``kvmesh bench fleet``
+when no stack is given, and by the end-to-end tests. Each service is a real child process started with
+``python -m services.<name>``; their output is relayed line by line with a ``[name]`` prefix::
+
+    DevStack.start()
+      ├─ EmbeddedBroker (tansu)      127.0.0.1:<free port>
+      ├─ EmbeddedRedis (redis-server) 127.0.0.1:<free port>
+      ├─ ensure_topics
+      ├─ kvmanager, scheduler         python -m services.X
+      ├─ worker-0 .. worker-N-1       python -m services.worker --worker-id worker-i
+      └─ intake                       127.0.0.1:<port>, ready when /healthz answers and every
+                                      worker has published a LoadReport
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from streams.settings import KafkaSettings, RedisSettings
+
+log = logging.getLogger("kvmesh.dev")
+
+
+@dataclass
+class DevStackSettings:
+    """Shape of the embedded stack."""
+
+    workers: int = 2
+    intake_host: str = "127.0.0.1"
+    intake_port: int = 8000
+    policy: str = "kvmesh"
+    gpu_blocks: int = 1024
+    dram_blocks: int = 4096
+    disk_blocks: int = 0
+    model: str = "tiny"
+    api_keys: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    log_level: str = "INFO"
+    ready_timeout_s: float = 120.0
+
+
+class _Child:
+    """One service process whose output is relayed with a prefix."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], sink: Callable[[str], None]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._relay, args=(sink,), daemon=True, name=f"relay-{name}")
+        self._thread.start()
+
+    def _relay(self, sink: Callable[[str], None]) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if len(self.lines) > 2000:
+                del self.lines[:1000]
+            sink(f"[{self.name}] {line}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+class DevStack:
+    """Broker, Redis and all services. ``start()``/``stop()`` are safe twice; also a context manager."""
+
+    def __init__(
+        self, settings: DevStackSettings | None = None, sink: Callable[[str], None] | None = None
+    ) -> None:
+        self.settings = settings or DevStackSettings()
+        self._sink = sink or (lambda line: sys.stderr.write(line + "\n"))
+        self.broker = None  # type: ignore[var-annotated]
+        self.redis = None  # type: ignore[var-annotated]
+        self.kafka = KafkaSettings()
+        self.redis_settings = RedisSettings()
+        self.children: dict[str, _Child] = {}
+        self.intake_url = ""
+        self.fleet_secret = secrets.token_hex(16)
+        self._env: dict[str, str] = {}
+        self._started = False
+
+    def __enter__(self) -> DevStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return [f"worker-{i}" for i in range(self.settings.workers)]
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        from streams.admin import ensure_topics
+        from streams.embedded import EmbeddedBroker, EmbeddedRedis
+
+        s = self.settings
+        try:
+            self.broker = EmbeddedBroker()
+            bootstrap = self.broker.start()
+            self.redis = EmbeddedRedis()
+            redis_url = self.redis.start()
+            self.kafka = KafkaSettings(bootstrap_servers=bootstrap)
+            self.redis_settings = RedisSettings(url=redis_url)
+            asyncio.run(ensure_topics(self.kafka))
+            port = s.intake_port or _free_port()
+            self.intake_url = f"http://{s.intake_host}:{port}"
+            env = dict(os.environ)
+            env.update(
+                {
+                    "KVMESH_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+                    "KVMESH_REDIS_URL": redis_url,
+                    "KVMESH_WORKER_FLEET_SECRET": self.fleet_secret,
+                    "KVMESH_WORKER_GPU_BLOCKS": str(s.gpu_blocks),
+                    "KVMESH_WORKER_DRAM_BLOCKS": str(s.dram_blocks),
+                    "KVMESH_WORKER_DISK_BLOCKS": str(s.disk_blocks),
+                    "KVMESH_WORKER_MODEL": s.model,
+                    "KVMESH_SCHEDULER_POLICY": s.policy,
+                    "KVMESH_INTAKE_HOST": s.intake_host,
+                    "KVMESH_INTAKE_PORT": str(port),
+                    "PYTHONUNBUFFERED": "1",
+                "KVMESH_LOG_LEVEL": s.log_level,
+                    # Two cores shared by several torch processes: one thread each avoids oversubscription.
+                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                }
+            )
+            if s.api_keys is not None:
+                env["KVMESH_API_KEYS"] = s.api_keys
+            env.update(s.extra_env)
+            self._env = env
+            self._spawn("kvmanager", ["-m", "services.kvmanager"])
+            self._spawn("scheduler", ["-m", "services.scheduler"])
+            for wid in self.worker_ids:
+                self._spawn(wid, ["-m", "services.worker", "--worker-id", wid])
+            self._spawn("intake", ["-m", "services.intake"])
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        argv = [sys.executable, *args]
+        self.children[name] = _Child(name, argv, env or self._env, self._sink)
+
+    def restart_worker(self, worker_id: str) -> None:
+        """Start a (killed) worker again under the same id."""
+        self._spawn(worker_id, ["-m", "services.worker", "--worker-id", worker_id])
+
+    def kill(self, name: str) -> None:
+        """Kill a service process at once (SIGKILL): a crash, for fault tests."""
+        child = self.children[name]
+        child.kill()
+        child.wait(10)
+
+    def _check_children(self) -> None:
+        for name, child in self.children.items():
+            if not child.alive():
+                tail = "\n".join(child.lines[-30:])
+                raise RuntimeError(
+                    f"service {name} exited with {child.proc.returncode} during start:\n{tail}"
+                )
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.settings.ready_timeout_s
+        while True:
+            self._check_children()
+            try:
+                r = httpx.get(f"{self.intake_url}/healthz", timeout=1.0)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("intake did not become healthy in time")
+            time.sleep(0.2)
+        remaining = max(deadline - time.monotonic(), 1.0)
+        asyncio.run(self._wait_workers(remaining))
+
+    async def _wait_workers(self, timeout_s: float) -> None:
+        """Ready when every worker has published a LoadReport (so the scheduler can route to it)."""
+        from streams.consumer import TypedConsumer
+
+        from schemas.messages import LoadReport
+        from streams import topics
+
+        seen: set[str] = set()
+        consumer = TypedConsumer(self.kafka, [topics.LOAD], group_id=None, from_beginning=True, dedup=False)
+        await consumer.start()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not set(self.worker_ids) <= seen:
+                self._check_children()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers {sorted(set(self.worker_ids) - seen)} never reported load")
+                for rec in await consumer.getmany(timeout_ms=500):
+                    if isinstance(rec.message, LoadReport):
+                        seen.add(rec.message.worker_id)
+        finally:
+            await consumer.stop()
+        # Give the scheduler a moment to read the same reports before the first request.
+        await asyncio.sleep(1.0)
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        # Intake first (no new work), workers next (they announce their blocks are gone), the rest last.
+        order = ["intake", *[n for n in self.children if n.startswith("worker-")], "scheduler", "kvmanager"]
+        for name in order:
+            child = self.children.get(name)
+            if child is not None:
+                child.terminate()
+        for name in order:
+            child = self.children.get(name)
+            if child is not None and not child.wait(10):
+                child.kill()
+                child.wait(5)
+        self.children.clear()
+        for server in (self.redis, self.broker):
+            if server is not None:
+                with contextlib.suppress(Exception):
+                    server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

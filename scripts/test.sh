@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command of the README (and of CI): install what is needed, lint, then the whole suite
+# against a real embedded broker (tansu) and real redis-server processes started by the fixtures.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+PY="${PYTHON:-python3}"
+"$PY" -m ruff check .
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,56 @@
+"""Settings of one worker process (env prefix ``KVMESH_WORKER_``, nested with ``__``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from streams.settings import KafkaSettings
+
+
+class WorkerSettings(BaseSettings):
+    """Everything a worker needs: engine shape, KV tiers, data plane and Kafka."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_WORKER_", env_nested_delimiter="__", extra="ignore")
+
+    worker_id: str = "worker-0"
+    # Engine and KV cache
+    model: str = "tiny"
+    checkpoint: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    gpu_blocks: int = 1024
+    dram_blocks: int = 4096
+    disk_blocks: int = 0
+    disk_dir: str | None = None
+    max_batch: int = 8
+    max_context: int | None = None
+    prefill_chunk: int = 512
+    seed: int = 0
+    # Data plane: the block server binds here and is announced in every LoadReport.
+    transfer_host: str = "127.0.0.1"
+    transfer_port: int = 0
+    fleet_secret: SecretStr | None = None
+    insecure_dev_transfer: bool = False
+    fetch_timeout_s: float = 5.0
+    # Reporting
+    load_interval_ms: int = 500
+    calibrate: bool = True
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+
+    @model_validator(mode="after")
+    def _secret_required(self) -> WorkerSettings:
+        # A worker serves what users typed; refuse to run the data plane open unless told so for dev.
+        if (self.fleet_secret is None or not self.fleet_secret.get_secret_value()) and not (
+            self.insecure_dev_transfer
+        ):
+            raise ValueError(
+                "KVMESH_WORKER_FLEET_SECRET must be set (or KVMESH_WORKER_INSECURE_DEV_TRANSFER=1 for dev)"
+            )
+        return self
+
+    def secret_bytes(self) -> bytes:
+        if self.fleet_secret is not None and self.fleet_secret.get_secret_value():
+            return self.fleet_secret.get_secret_value().encode()
+        return b"kvmesh-insecure-dev-secret"

@@ -1,0 +1,472 @@
+"""The worker process: Kafka in, tokens out, KV blocks served to and fetched from peers.
+
+Owns one :class:`~services.worker.engine.Engine` (model + paged, tiered KV cache), one block server
+(the data plane, for peers), one block client (to fetch), a producer and two consumers (its own
+assignments and its own control commands). Threads: the engine steps in a worker thread via
+``asyncio.to_thread`` so that the event loop keeps serving peers and Kafka; only the engine loop task
+touches the engine's request state, so new assignments and cancels are queued for it.
+
+Per assignment::
+
+    deadline passed? ── yes ─▶ Completion(rejected)
+        │ no
+    fetch planned blocks from peers (verified blocks only enter the pool; anything missing is
+        │                             recomputed and counted as a fallback)
+    engine.add_request ── rejected (too long, …) ─▶ Completion(error)
+        │
+    continuous batching: TokenChunk per step, Completion with reused / fetched / recomputed + TTFT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+from streams.consumer import Record, TypedConsumer
+from streams.producer import TypedProducer, partition_for
+
+from schemas.messages import (
+    Assignment,
+    CancelRequest,
+    ChatRequest,
+    Completion,
+    LoadReport,
+    ReplicateCommand,
+    RetainHint,
+    TierUsage,
+    TokenChunk,
+    WorkerLost,
+)
+from services.worker.config import WorkerSettings
+from streams import topics
+from streams.clock import now_ms
+
+log = logging.getLogger("kvmesh.worker")
+
+
+@dataclass
+class _Running:
+    """What the service remembers of a request the engine is running."""
+
+    request: ChatRequest
+    started: float  # perf_counter at assignment receipt: TTFT is measured from here
+    fetched_blocks: int = 0
+    fallback: str | None = None
+    first_token_ms: float | None = None
+    prefill_ms: float = 0.0
+    stats: object | None = None
+    output: list[int] = field(default_factory=list)
+    text_sent: int = 0
+
+
+class WorkerService:
+    """One worker of the fleet. ``start()``/``stop()`` are safe to call twice; ``async with`` works."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.engine = None  # type: ignore[var-annotated]
+        self._profile = None  # type: ignore[var-annotated]
+        self._producer: TypedProducer | None = None
+        self._assignments: TypedConsumer | None = None
+        self._control: TypedConsumer | None = None
+        self._server = None  # type: ignore[var-annotated]
+        self._client = None  # type: ignore[var-annotated]
+        self.transfer_address = ""
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self._running: dict[str, _Running] = {}
+        self._started = False
+        self._stopping = False
+        self._last_load: tuple[int, int, int] | None = None
+        self._started_ms = 0
+        self.metrics: dict[str, int] = {
+            "assignments": 0,
+            "completed": 0,
+            "errors": 0,
+            "rejected": 0,
+            "cancelled": 0,
+            "fetched_blocks": 0,
+            "fetch_failures": 0,
+            "fallbacks": 0,
+            "replications": 0,
+        }
+
+    # ----------------------------------------------------------------- lifecycle
+    async def __aenter__(self) -> WorkerService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        from services.worker.engine import Engine, EngineConfig
+        from services.worker.transfer import BlockClient, BlockServer
+
+        s = self.settings
+        cfg = EngineConfig(
+            model=s.model,
+            checkpoint=s.checkpoint,
+            device=s.device,
+            dtype=s.dtype,
+            block_size=s.block_size,
+            gpu_blocks=s.gpu_blocks,
+            dram_blocks=s.dram_blocks,
+            disk_blocks=s.disk_blocks,
+            disk_dir=s.disk_dir,
+            max_batch=s.max_batch,
+            max_context=s.max_context,
+            prefill_chunk=s.prefill_chunk,
+            seed=s.seed,
+            worker_id=s.worker_id,
+        )
+        self.engine = await asyncio.to_thread(Engine, cfg)
+        if s.calibrate:
+            self._profile = await asyncio.to_thread(self.engine.calibrate)
+        self._server = BlockServer(
+            self.engine.kv, host=s.transfer_host, port=s.transfer_port, secret=s.secret_bytes()
+        )
+        self.transfer_address = await self._server.start()
+        self._client = BlockClient(s.secret_bytes(), timeout_s=s.fetch_timeout_s)
+        self._started_ms = now_ms()
+
+        self._producer = TypedProducer(s.kafka, producer_id=self.worker_id)
+        await self._producer.start()
+        part = partition_for(topics.ASSIGNMENTS, self.worker_id)
+        self._assignments = TypedConsumer(
+            s.kafka,
+            [topics.ASSIGNMENTS],
+            group_id=f"kvmesh-worker-{self.worker_id}",
+            assign=[(topics.ASSIGNMENTS, part)],
+            key_filter=self.worker_id,
+            dlq=self._producer,
+        )
+        cpart = partition_for(topics.CONTROL, self.worker_id)
+        self._control = TypedConsumer(
+            s.kafka,
+            [topics.CONTROL],
+            group_id=f"kvmesh-worker-{self.worker_id}-control",
+            assign=[(topics.CONTROL, cpart)],
+            key_filter=self.worker_id,
+            dlq=self._producer,
+        )
+        await self._assignments.start()
+        await self._control.start()
+        # Announce ourselves (and our measured speed) before any assignment can arrive.
+        await self._publish_load(force=True)
+        await self._publish_kv_events()
+        self._tasks = [
+            asyncio.create_task(self._assignments.run(self._on_assignment_record), name="worker-assignments"),
+            asyncio.create_task(self._control.run(self._on_control_record), name="worker-control"),
+            asyncio.create_task(self._engine_loop(), name="worker-engine"),
+            asyncio.create_task(self._load_loop(), name="worker-load"),
+        ]
+        log.info(
+            "worker %s up: transfer %s, layout %s",
+            self.worker_id,
+            self.transfer_address,
+            self.engine.layout.describe(),
+        )
+
+    async def stop(self) -> None:
+        if not self._started or self._stopping:
+            return
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        # Requests still running get an error completion so no caller waits forever.
+        for rid in list(self._running):
+            await self._finish_error(rid, "worker shutting down")
+        if self.engine is not None and self._producer is not None:
+            # Graceful shutdown: tell the fleet our blocks are gone.
+            with contextlib.suppress(Exception):
+                events = self.engine.release_all()
+                for ev in events:
+                    await self._producer.send(topics.KV_EVENTS, ev)
+                await self._publish_load(force=True, draining=True)
+        for c in (self._assignments, self._control):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    await c.stop()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.stop()
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                await self._producer.stop()
+        self._started = False
+        log.info("worker %s stopped", self.worker_id)
+
+    async def run_forever(self) -> None:
+        await self.start()
+        try:
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            await self.stop()
+
+    # ----------------------------------------------------------------- inputs
+    async def _on_assignment_record(self, record: Record) -> None:
+        msg = record.message
+        if isinstance(msg, Assignment):
+            if msg.worker_id != self.worker_id:
+                return
+            self.metrics["assignments"] += 1
+            await self._admit(msg)
+        elif isinstance(msg, CancelRequest):
+            await self._inbox.put(("cancel", msg))
+
+    async def _on_control_record(self, record: Record) -> None:
+        msg = record.message
+        if isinstance(msg, ReplicateCommand) and msg.target_worker == self.worker_id:
+            await self._replicate(msg)
+        elif isinstance(msg, RetainHint) and msg.worker_id == self.worker_id:
+            retain = getattr(self.engine.kv, "retain", None)
+            if retain is not None:
+                retain(msg.block_hashes, msg.until_ms)
+        elif isinstance(msg, WorkerLost) and msg.worker_id == self.worker_id and not self._stopping:
+            # We were declared lost (a long pause): re-announce everything we still hold.
+            await self._reannounce()
+
+    async def _admit(self, a: Assignment) -> None:
+        req = a.request
+        started = time.perf_counter()
+        if req.deadline_ms is not None and now_ms() > req.deadline_ms:
+            self.metrics["rejected"] += 1
+            await self._send_completion(req, finish_reason="rejected", error="deadline passed before start")
+            return
+        entry = _Running(request=req, started=started)
+        # Fetch planned blocks before prefill, but only those that extend what we already have:
+        # a chained block is useless after a gap.
+        if a.fetch and self._client is not None:
+            await self._fetch_planned(a, entry)
+        await self._inbox.put(("add", entry))
+
+    async def _fetch_planned(self, a: Assignment, entry: _Running) -> None:
+        req = a.request
+        for plan in sorted(a.fetch, key=lambda p: p.first_block):
+            have = self.engine.lookup_prefix(req.block_hashes)
+            end = plan.first_block + len(plan.block_hashes)
+            if have >= end:
+                continue  # someone (a replication, an earlier turn) already brought them
+            if have < plan.first_block:
+                entry.fallback = "gap before fetched blocks; recomputing"
+                break
+            skip = have - plan.first_block
+            hashes = plan.block_hashes[skip:]
+            start = plan.first_block + skip
+            parents = [req.block_hashes[i - 1] if i > 0 else 0 for i in range(start, start + len(hashes))]
+            result = await self._client.fetch(
+                plan.peer_address, hashes, parents, req.namespace, self.engine.kv, peer_id=self.worker_id
+            )
+            got = len(result.received)
+            entry.fetched_blocks += got
+            self.metrics["fetched_blocks"] += got
+            if got < len(hashes):
+                self.metrics["fetch_failures"] += 1
+                entry.fallback = (
+                    f"fetch from {plan.peer_worker} incomplete ({got}/{len(hashes)}): recomputing rest"
+                )
+                log.warning("request %s: %s", req.request_id, entry.fallback)
+                break
+
+    async def _replicate(self, cmd: ReplicateCommand) -> None:
+        have = self.engine.lookup_prefix(cmd.block_hashes)
+        if have >= len(cmd.block_hashes) or self._client is None:
+            return
+        hashes = cmd.block_hashes[have:]
+        parents = [cmd.block_hashes[i - 1] if i > 0 else 0 for i in range(have, len(cmd.block_hashes))]
+        result = await self._client.fetch(
+            cmd.source_address, hashes, parents, cmd.namespace, self.engine.kv, peer_id=self.worker_id
+        )
+        self.metrics["replications"] += 1
+        log.info(
+            "replication %s: %d/%d blocks from %s",
+            cmd.command_id,
+            len(result.received),
+            len(hashes),
+            cmd.source_worker,
+        )
+        await self._publish_kv_events()
+
+    # ----------------------------------------------------------------- engine loop
+    async def _engine_loop(self) -> None:
+        from services.worker.engine import EngineRequest, RequestRejected
+
+        while True:
+            # Apply queued adds/cancels between steps: only this task touches engine request state.
+            while not self._inbox.empty() or not self.engine.has_work():
+                kind, item = await self._inbox.get()
+                if kind == "add":
+                    entry = item
+                    assert isinstance(entry, _Running)
+                    req = entry.request
+                    try:
+                        self.engine.add_request(
+                            EngineRequest(
+                                request_id=req.request_id,
+                                session_id=req.session_id,
+                                token_ids=req.token_ids,
+                                block_hashes=req.block_hashes,
+                                namespace=req.namespace,
+                                max_tokens=req.max_tokens,
+                                sampling=req.sampling,
+                                stop_token_ids=req.stop_token_ids,
+                                public_prefix_tokens=req.public_prefix_tokens,
+                            )
+                        )
+                    except RequestRejected as exc:
+                        self.metrics["errors"] += 1
+                        await self._send_completion(req, finish_reason="error", error=str(exc))
+                        continue
+                    self._running[req.request_id] = entry
+                elif kind == "cancel":
+                    assert isinstance(item, CancelRequest)
+                    if item.request_id in self._running and self.engine.abort(item.request_id):
+                        entry = self._running.pop(item.request_id)
+                        self.metrics["cancelled"] += 1
+                        await self._send_completion(
+                            entry.request, finish_reason="cancelled", entry=entry, error=item.reason
+                        )
+            outputs = await asyncio.to_thread(self.engine.step)
+            for out in outputs:
+                await self._handle_output(out)
+            await self._publish_kv_events()
+            await self._publish_load()
+
+    async def _handle_output(self, out: object) -> None:
+        entry = self._running.get(out.request_id)  # type: ignore[attr-defined]
+        if entry is None:
+            return
+        req = entry.request
+        if out.first_token and entry.first_token_ms is None:  # type: ignore[attr-defined]
+            entry.first_token_ms = (time.perf_counter() - entry.started) * 1e3
+        if out.stats is not None:  # type: ignore[attr-defined]
+            entry.stats = out.stats  # type: ignore[attr-defined]
+        new = list(out.new_token_ids)  # type: ignore[attr-defined]
+        if new:
+            index = len(entry.output)
+            entry.output.extend(new)
+            text = self.engine.tokenizer.decode(new)
+            await self._producer.send(
+                topics.REPLIES,
+                TokenChunk(
+                    request_id=req.request_id, worker_id=self.worker_id, index=index, token_ids=new, text=text
+                ),
+                topic_name=req.reply_topic,
+            )
+        if out.finished:  # type: ignore[attr-defined]
+            self._running.pop(req.request_id, None)
+            reason = out.finish_reason or "stop"  # type: ignore[attr-defined]
+            if reason == "error":
+                self.metrics["errors"] += 1
+            else:
+                self.metrics["completed"] += 1
+            await self._send_completion(
+                req, finish_reason=reason, entry=entry, error=getattr(out, "error", None)
+            )
+
+    # ----------------------------------------------------------------- outputs
+    async def _send_completion(
+        self, req: ChatRequest, *, finish_reason: str, entry: _Running | None = None, error: str | None = None
+    ) -> None:
+        stats = entry.stats if entry is not None else None
+        bs = req.block_size
+        reused = int(getattr(stats, "reused_tokens", 0)) if stats is not None else 0
+        fetched = min(reused, entry.fetched_blocks * bs) if entry is not None else 0
+        fallback = entry.fallback if entry is not None else None
+        if stats is not None and getattr(stats, "fallback", None):
+            fallback = f"{fallback}; {stats.fallback}" if fallback else stats.fallback
+            self.metrics["fallbacks"] += 1
+        output = entry.output if entry is not None else []
+        c = Completion(
+            request_id=req.request_id,
+            session_id=req.session_id,
+            worker_id=self.worker_id,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            prompt_tokens=len(req.token_ids),
+            completion_tokens=len(output),
+            output_token_ids=list(output),
+            reused_tokens=reused - fetched,
+            fetched_tokens=fetched,
+            recomputed_tokens=int(getattr(stats, "recomputed_tokens", 0)) if stats is not None else 0,
+            ttft_ms=(entry.first_token_ms or 0.0) if entry is not None else 0.0,
+            prefill_ms=float(getattr(stats, "prefill_ms", 0.0)) if stats is not None else 0.0,
+            e2e_ms=(time.perf_counter() - entry.started) * 1e3 if entry is not None else 0.0,
+            error=error,
+            fallback=fallback,
+            text=self.engine.tokenizer.decode(output) if self.engine is not None else "",
+        )
+        assert self._producer is not None
+        await self._producer.send(topics.REPLIES, c, topic_name=req.reply_topic)
+
+    async def _finish_error(self, request_id: str, error: str) -> None:
+        entry = self._running.pop(request_id, None)
+        if entry is not None and self._producer is not None:
+            with contextlib.suppress(Exception):
+                await self._send_completion(entry.request, finish_reason="error", entry=entry, error=error)
+
+    async def _publish_kv_events(self) -> None:
+        if self.engine is None or self._producer is None:
+            return
+        for ev in self.engine.drain_kv_events():
+            await self._producer.send(topics.KV_EVENTS, ev)
+
+    async def _reannounce(self) -> None:
+        holdings = getattr(self.engine.kv, "holdings_events", None)
+        if holdings is None:
+            return
+        for ev in holdings():
+            await self._producer.send(topics.KV_EVENTS, ev)
+
+    async def _load_loop(self) -> None:
+        interval = self.settings.load_interval_ms / 1e3
+        while True:
+            await asyncio.sleep(interval)
+            await self._publish_kv_events()
+            await self._publish_load(force=True)
+
+    async def _publish_load(self, force: bool = False, draining: bool = False) -> None:
+        if self.engine is None or self._producer is None:
+            return
+        load = self.engine.load()
+        key = (load["queue_depth"], load["active_requests"], load["active_tokens"] // 256)
+        # Between intervals, report only large changes (a new request queued, one finished).
+        if not force and key == self._last_load:
+            return
+        self._last_load = key
+        p = self._profile
+        layout = self.engine.layout
+        tiers = [t if isinstance(t, TierUsage) else TierUsage(**t) for t in load["tiers"]]
+        report = LoadReport(
+            worker_id=self.worker_id,
+            report_ms=now_ms(),
+            queue_depth=load["queue_depth"],
+            active_requests=load["active_requests"],
+            active_tokens=load["active_tokens"],
+            queued_prefill_tokens=load["queued_prefill_tokens"],
+            tiers=tiers,
+            transfer_address=self.transfer_address,
+            block_size=layout.block_size,
+            block_bytes=layout.nbytes,
+            prefill_ms_per_token=p.prefill_ms_per_token if p else 0.05,
+            prefill_ms_per_token_per_ctx=p.prefill_ms_per_token_per_ctx if p else 0.0,
+            decode_ms_per_step=p.decode_ms_per_step if p else 5.0,
+            link_gbps=p.link_gbps if p else 1.0,
+            link_latency_ms=p.link_latency_ms if p else 1.0,
+            model=self.settings.model,
+            max_context=self.engine.max_context,
+            started_ms=self._started_ms,
+            draining=draining,
+        )
+        await self._producer.send(topics.LOAD, report)

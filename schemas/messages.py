@@ -284,6 +284,19 @@ class RetainHint:
     until_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class DrainCommand:
+    """Operator command: ``worker_id`` takes no new requests (``drain``) but keeps serving its KV blocks
+    to peers, so its sessions move to other workers without recomputing; ``drain=False`` undoes it."""
+
+    SCHEMA: ClassVar[str] = "drain_command"
+    VERSION: ClassVar[int] = 1
+
+    worker_id: str
+    drain: bool = True
+    reason: str = "operator"
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     ChatRequest,
     CancelRequest,
@@ -295,4 +308,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     WorkerLost,
     ReplicateCommand,
     RetainHint,
+    DrainCommand,
 )

@@ -71,7 +71,7 @@ def _converter(hint: Any) -> Converter:
             if not isinstance(value, list | tuple):
                 _fail(path, "array", value)
             # Token id lists are long: one C-level pass instead of a call per element.
-            if fast is not None and all(type(v) is fast for v in value):
+            if fast is not None and (not value or set(map(type, value)) == {fast}):
                 return tuple(value) if as_tuple else list(value)
             out = [conv(v, f"{path}[{i}]") for i, v in enumerate(value)]
             return tuple(out) if as_tuple else out

@@ -34,6 +34,16 @@ class KafkaSettings(BaseSettings):
     session_timeout_ms: int = 6000
     rebalance_timeout_ms: int = 3000
     heartbeat_interval_ms: int = 500
+    # tansu rejects InitProducerId, so idempotent producers are opt-in (turn on for a real Kafka cluster).
+    enable_idempotence: bool = False
+    # Prepended to every catalog topic name (see streams.admin.topic_name) so tests or a shared cluster
+    # can namespace kvmesh's topics; empty in production.
+    topic_prefix: str = ""
+    # tansu answers a fetch only when fetch_max_wait_ms runs out, even if records arrived: that wait
+    # is the per-hop latency floor (500 ms, aiokafka's default, means ~250 ms per hop). 25 ms costs an
+    # idle consumer ~40 fetches/s (~1% of a core each, plus broker time). Kafka proper answers early,
+    # so a larger value is fine there.
+    fetch_max_wait_ms: int = 25
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments common to AIOKafkaProducer and AIOKafkaConsumer."""

@@ -24,6 +24,7 @@ from schemas.messages import (
     CancelRequest,
     ChatRequest,
     Completion,
+    DrainCommand,
     KvEvent,
     LoadReport,
     ReplicateCommand,
@@ -43,6 +44,19 @@ class TopicSpec:
     partitions: int
     cleanup_policy: str = "delete"
     retention_ms: int = 6 * 3600 * 1000
+    # (schema name, attribute) pairs for message types whose key field is not named ``key``
+    # (e.g. ReplicateCommand is addressed to its ``target_worker``).
+    key_overrides: tuple[tuple[str, str], ...] = ()
+
+    def carries(self, message: object) -> bool:
+        """Whether ``message``'s type is one of this topic's message types."""
+        return type(message) in self.messages
+
+    def key_of(self, message: object) -> str | None:
+        """The record key of ``message`` on this topic, or None if the message has no such field."""
+        attr = dict(self.key_overrides).get(getattr(type(message), "SCHEMA", ""), self.key)
+        value = getattr(message, attr, None)
+        return None if value is None else str(value)
 
 
 REQUESTS = TopicSpec("kvmesh.requests", "session_id", (ChatRequest, CancelRequest), partitions=4)
@@ -54,7 +68,13 @@ KV_EVENTS = TopicSpec(
     "kvmesh.kv-events", "worker_id", (KvEvent,), partitions=4, retention_ms=24 * 3600 * 1000
 )
 LOAD = TopicSpec("kvmesh.load", "worker_id", (LoadReport,), partitions=4, cleanup_policy="compact")
-CONTROL = TopicSpec("kvmesh.control", "worker_id", (WorkerLost, ReplicateCommand, RetainHint), partitions=4)
+CONTROL = TopicSpec(
+    "kvmesh.control",
+    "worker_id",
+    (WorkerLost, ReplicateCommand, RetainHint, DrainCommand),
+    partitions=4,
+    key_overrides=(("replicate_command", "target_worker"),),
+)
 DEAD_LETTER = TopicSpec(
     "kvmesh.dead-letter", "source_topic", (), partitions=1, retention_ms=7 * 24 * 3600 * 1000
 )

@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-
-from streams.consumer import Record, TypedConsumer
-from streams.producer import TypedProducer, partition_for
 
 from schemas.messages import (
     Assignment,
     CancelRequest,
     ChatRequest,
     Completion,
+    DrainCommand,
     LoadReport,
     ReplicateCommand,
     RetainHint,
@@ -43,8 +43,18 @@ from schemas.messages import (
 from services.worker.config import WorkerSettings
 from streams import topics
 from streams.clock import now_ms
+from streams.consumer import Record, TypedConsumer
+from streams.producer import TypedProducer, partition_for
 
 log = logging.getLogger("kvmesh.worker")
+
+
+@functools.lru_cache(maxsize=64)
+def _reply_spec(reply_topic: str) -> topics.TopicSpec:
+    """The reply topic a request names: the catalog's, or another intake's with the same shape."""
+    if reply_topic == topics.REPLIES.name:
+        return topics.REPLIES
+    return dataclasses.replace(topics.REPLIES, name=reply_topic)
 
 
 @dataclass
@@ -54,6 +64,7 @@ class _Running:
     request: ChatRequest
     started: float  # perf_counter at assignment receipt: TTFT is measured from here
     fetched_blocks: int = 0
+    expected_blocks: int = 0  # blocks the assignment expects cached (local + fetched)
     fallback: str | None = None
     first_token_ms: float | None = None
     prefill_ms: float = 0.0
@@ -81,6 +92,7 @@ class WorkerService:
         self._running: dict[str, _Running] = {}
         self._started = False
         self._stopping = False
+        self._draining = False
         self._last_load: tuple[int, int, int] | None = None
         self._started_ms = 0
         self.metrics: dict[str, int] = {
@@ -134,6 +146,13 @@ class WorkerService:
             self.engine.kv, host=s.transfer_host, port=s.transfer_port, secret=s.secret_bytes()
         )
         self.transfer_address = await self._server.start()
+        if s.calibrate and self._profile is not None:
+            # The engine measures compute; the data plane measures the link this host really has.
+            with contextlib.suppress(Exception):
+                link = await self._server.measure_self(probe_bytes=8 << 20, rounds=2)
+                self._profile = dataclasses.replace(
+                    self._profile, link_gbps=link.link_gbps, link_latency_ms=link.latency_ms
+                )
         self._client = BlockClient(s.secret_bytes(), timeout_s=s.fetch_timeout_s)
         self._started_ms = now_ms()
 
@@ -234,6 +253,13 @@ class WorkerService:
             retain = getattr(self.engine.kv, "retain", None)
             if retain is not None:
                 retain(msg.block_hashes, msg.until_ms)
+        elif isinstance(msg, DrainCommand) and msg.worker_id == self.worker_id:
+            # Draining: the scheduler stops sending new work, peers keep fetching our blocks.
+            self._draining = msg.drain
+            log.info(
+                "worker %s %s (%s)", self.worker_id, "draining" if msg.drain else "undrained", msg.reason
+            )
+            await self._publish_load(force=True)
         elif isinstance(msg, WorkerLost) and msg.worker_id == self.worker_id and not self._stopping:
             # We were declared lost (a long pause): re-announce everything we still hold.
             await self._reannounce()
@@ -245,7 +271,7 @@ class WorkerService:
             self.metrics["rejected"] += 1
             await self._send_completion(req, finish_reason="rejected", error="deadline passed before start")
             return
-        entry = _Running(request=req, started=started)
+        entry = _Running(request=req, started=started, expected_blocks=a.reuse_blocks)
         # Fetch planned blocks before prefill, but only those that extend what we already have:
         # a chained block is useless after a gap.
         if a.fetch and self._client is not None:
@@ -271,6 +297,7 @@ class WorkerService:
             )
             got = len(result.received)
             entry.fetched_blocks += got
+            entry.expected_blocks = max(entry.expected_blocks, start + got)
             self.metrics["fetched_blocks"] += got
             if got < len(hashes):
                 self.metrics["fetch_failures"] += 1
@@ -323,6 +350,7 @@ class WorkerService:
                                 sampling=req.sampling,
                                 stop_token_ids=req.stop_token_ids,
                                 public_prefix_tokens=req.public_prefix_tokens,
+                                expected_reuse_blocks=entry.expected_blocks,
                             )
                         )
                     except RequestRejected as exc:
@@ -332,12 +360,10 @@ class WorkerService:
                     self._running[req.request_id] = entry
                 elif kind == "cancel":
                     assert isinstance(item, CancelRequest)
+                    # The next step reports the request as finished with reason "cancelled"; that
+                    # output sends the one Completion.
                     if item.request_id in self._running and self.engine.abort(item.request_id):
-                        entry = self._running.pop(item.request_id)
                         self.metrics["cancelled"] += 1
-                        await self._send_completion(
-                            entry.request, finish_reason="cancelled", entry=entry, error=item.reason
-                        )
             outputs = await asyncio.to_thread(self.engine.step)
             for out in outputs:
                 await self._handle_output(out)
@@ -359,11 +385,10 @@ class WorkerService:
             entry.output.extend(new)
             text = self.engine.tokenizer.decode(new)
             await self._producer.send(
-                topics.REPLIES,
+                _reply_spec(req.reply_topic),
                 TokenChunk(
                     request_id=req.request_id, worker_id=self.worker_id, index=index, token_ids=new, text=text
                 ),
-                topic_name=req.reply_topic,
             )
         if out.finished:  # type: ignore[attr-defined]
             self._running.pop(req.request_id, None)
@@ -408,7 +433,7 @@ class WorkerService:
             text=self.engine.tokenizer.decode(output) if self.engine is not None else "",
         )
         assert self._producer is not None
-        await self._producer.send(topics.REPLIES, c, topic_name=req.reply_topic)
+        await self._producer.send(_reply_spec(req.reply_topic), c)
 
     async def _finish_error(self, request_id: str, error: str) -> None:
         entry = self._running.pop(request_id, None)
@@ -467,6 +492,6 @@ class WorkerService:
             model=self.settings.model,
             max_context=self.engine.max_context,
             started_ms=self._started_ms,
-            draining=draining,
+            draining=draining or self._draining,
         )
         await self._producer.send(topics.LOAD, report)

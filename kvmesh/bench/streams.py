@@ -1,0 +1,229 @@
+"""``kvmesh bench streams``: the typed streams layer against raw aiokafka, in one run on one broker.
+
+Two phases per client, each on fresh topics (a per-run ``topic_prefix``):
+
+* throughput: publish ``--messages`` ChatRequests (``--tokens`` prompt tokens each) as fast as the
+  producer takes them while a consumer reads them; msgs/s = messages / (first send .. last receive);
+* latency: publish ``--latency-messages`` at ``--rate`` msgs/s; per message, send-to-receive time.
+
+"raw" sends the same encoded bytes through AIOKafkaProducer and reads them with AIOKafkaConsumer
+without decoding; "typed" goes through TypedProducer.send (envelope, seq, encode) and TypedConsumer
+(strict decode, validation, dedup). The ratio is the cost of the typed layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from tqdm import tqdm
+
+from schemas.blocks import block_hashes
+from schemas.codec import encode
+from schemas.messages import ChatRequest
+from streams.admin import ensure_topics, topic_name
+from streams.consumer import TypedConsumer
+from streams.embedded import EmbeddedBroker
+from streams.producer import TypedProducer
+from streams.settings import KafkaSettings
+from streams.topics import REQUESTS
+
+BLOCK = 16
+
+
+def _request(i: int, tokens: list[int], hashes: list[int]) -> ChatRequest:
+    return ChatRequest(
+        request_id=f"r{i}",
+        session_id=f"s{i % 64}",
+        tenant="bench",
+        token_ids=tokens,
+        block_hashes=hashes,
+        block_size=BLOCK,
+        max_tokens=64,
+        arrival_ms=1_700_000_000_000 + i,
+    )
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class _Client:
+    """One side of the comparison: how to send message i and how to read a batch of message ids."""
+
+    def __init__(self, kafka: KafkaSettings, typed: bool, payload: Callable[[int], ChatRequest]) -> None:
+        self.kafka = kafka
+        self.typed = typed
+        self.payload = payload
+        self._raw_value = encode(payload(0), "bench-raw", 0, 0)
+        self._tp: TypedProducer | None = None
+        self._tc: TypedConsumer | None = None
+        self._rp: AIOKafkaProducer | None = None
+        self._rc: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        if self.typed:
+            self._tp = TypedProducer(self.kafka, "bench-typed")
+            await self._tp.start()
+            self._tc = TypedConsumer(self.kafka, [REQUESTS], from_beginning=True, max_batch=2000)
+            await self._tc.start()
+        else:
+            self._rp = AIOKafkaProducer(**self.kafka.client_kwargs())
+            await self._rp.start()
+            name = topic_name(REQUESTS, self.kafka)
+            self._rc = AIOKafkaConsumer(
+                **self.kafka.client_kwargs(),
+                auto_offset_reset="earliest",
+                fetch_max_wait_ms=self.kafka.fetch_max_wait_ms,
+            )
+            await self._rc.start()
+            self._rc.assign([TopicPartition(name, p) for p in range(REQUESTS.partitions)])
+
+    async def stop(self) -> None:
+        for c in (self._tp, self._tc, self._rp, self._rc):
+            if c is not None:
+                await c.stop()
+
+    async def send(self, i: int) -> Awaitable[Any]:
+        if self._tp is not None:
+            result: Awaitable[Any] = await self._tp.send(REQUESTS, self.payload(i), wait=False)
+            return result
+        assert self._rp is not None
+        name = topic_name(REQUESTS, self.kafka)
+        # The same bytes every time: raw pays for no message building, encoding or validation.
+        result = await self._rp.send(name, self._raw_value, key=f"s{i % 64}".encode())
+        return result
+
+    async def flush(self) -> None:
+        if self._tp is not None:
+            await self._tp.flush()
+        elif self._rp is not None:
+            await self._rp.flush()
+
+    async def receive(self) -> int:
+        """Read one batch; returns how many records arrived."""
+        if self._tc is not None:
+            return len(await self._tc.getmany(timeout_ms=100))
+        assert self._rc is not None
+        batches = await self._rc.getmany(timeout_ms=100, max_records=2000)
+        return sum(len(v) for v in batches.values())
+
+
+async def _throughput(client: _Client, n: int, bar: tqdm) -> float:
+    received = 0
+    t0 = time.perf_counter()
+
+    async def consume() -> None:
+        nonlocal received
+        while received < n:
+            got = await client.receive()
+            received += got
+            bar.update(got)
+
+    reader = asyncio.create_task(consume())
+    for i in range(n):
+        await client.send(i)
+    await client.flush()
+    await asyncio.wait_for(reader, timeout=120)
+    return n / (time.perf_counter() - t0)
+
+
+async def _latency(client: _Client, n: int, rate: float, bar: tqdm) -> list[float]:
+    # Paced sends; records arrive in order per partition but not overall, so latencies are matched by
+    # arrival count: with one message in flight at a time the k-th arrival is the k-th send.
+    lat: list[float] = []
+    gap = 1.0 / rate
+    for i in range(n):
+        t = time.perf_counter()
+        await client.send(n + i)
+        await client.flush()
+        got = 0
+        while got < 1:
+            got += await client.receive()
+        lat.append((time.perf_counter() - t) * 1000.0)
+        bar.update(got)
+        await asyncio.sleep(max(0.0, gap - (time.perf_counter() - t)))
+    return lat
+
+
+async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
+    tokens = [(i * 7919) % 32000 for i in range(args.tokens)]
+    hashes = block_hashes(tokens, BLOCK, b"bench")
+
+    def payload(i: int) -> ChatRequest:
+        return _request(i, tokens, hashes)
+
+    run_id = uuid.uuid4().hex[:8]
+    results: dict[str, Any] = {"messages": args.messages, "tokens": args.tokens, "bootstrap": bootstrap}
+    results["payload_bytes"] = len(encode(payload(0), "bench", 0, 0))
+    warmup = min(200, args.messages)
+    total = 2 * (warmup + args.messages + args.latency_messages)
+    with tqdm(total=total, desc="bench streams", unit="msg", file=sys.stderr) as bar:
+        for label, typed in (("raw", False), ("typed", True)):
+            kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"bench-{run_id}-{label}.")
+            await ensure_topics(kafka, [REQUESTS])
+            client = _Client(kafka, typed, payload)
+            await client.start()
+            try:
+                # Warm-up: connections, metadata and the first fetches are not what is measured.
+                await _throughput(client, warmup, bar)
+                results[f"{label}_msgs_per_s"] = await _throughput(client, args.messages, bar)
+                lat = await _latency(client, args.latency_messages, args.rate, bar)
+            finally:
+                await client.stop()
+            prefix = "" if typed else "raw_"
+            results[f"{prefix}p50_ms"] = _pct(lat, 0.50)
+            results[f"{prefix}p99_ms"] = _pct(lat, 0.99)
+            results[f"{prefix}mean_ms"] = statistics.fmean(lat) if lat else float("nan")
+    results["typed_vs_raw_throughput"] = results["typed_msgs_per_s"] / results["raw_msgs_per_s"]
+    results["typed_mb_per_s"] = results["typed_msgs_per_s"] * results["payload_bytes"] / 1e6
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh bench streams", description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap", help="an existing broker (default: start an embedded tansu)")
+    parser.add_argument("--messages", type=int, default=5000, help="messages in the throughput phase")
+    parser.add_argument("--tokens", type=int, default=1024, help="prompt tokens per ChatRequest")
+    parser.add_argument("--latency-messages", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=200.0, help="msgs/s in the latency phase")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON line last")
+    args = parser.parse_args(argv)
+
+    broker: EmbeddedBroker | None = None
+    bootstrap = args.bootstrap
+    if bootstrap is None:
+        broker = EmbeddedBroker()
+        bootstrap = broker.start()
+    try:
+        results = asyncio.run(_run(args, bootstrap))
+    finally:
+        if broker is not None:
+            broker.stop()
+    out = sys.stdout
+    out.write(
+        f"payload {results['payload_bytes']} B, {args.messages} msgs\n"
+        f"raw   {results['raw_msgs_per_s']:9.0f} msgs/s   p50 {results['raw_p50_ms']:.2f} ms"
+        f"  p99 {results['raw_p99_ms']:.2f} ms\n"
+        f"typed {results['typed_msgs_per_s']:9.0f} msgs/s   p50 {results['p50_ms']:.2f} ms"
+        f"  p99 {results['p99_ms']:.2f} ms\n"
+        f"typed/raw throughput {results['typed_vs_raw_throughput']:.2f}\n"
+    )
+    if args.json:
+        out.write(json.dumps(results) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

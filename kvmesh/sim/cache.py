@@ -1,0 +1,108 @@
+"""A simulated worker's KV cache: block hashes in GPU, DRAM and disk tiers, each an LRU.
+
+The cache holds only identities (no bytes). Writes go to the GPU tier; when a tier is over capacity
+its least recently used block is demoted one tier down (GPU -> DRAM -> disk -> dropped), the way the
+real worker's ``tiers.py`` demotes. A tier of capacity 0 is skipped. Every change is recorded as a
+run of ``(kind, tier, from_tier, hashes, parents)`` so the worker can publish the same KvEvents a
+real worker would::
+
+    access([h0 h1 h2])   h0 in gpu   -> touched (no event)
+                         h1 in dram  -> moved dram->gpu
+                         h2 absent   -> stored gpu            (then LRU demotions if gpu is full)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from schemas.messages import TIERS
+
+#: One recorded change: (kind, tier, from_tier, block hashes, parent hashes (stored only)).
+Change = tuple[str, str, str | None, list[int], list[int]]
+
+
+@dataclass(slots=True)
+class _ChangeLog:
+    """Consecutive changes of the same (kind, tier, from_tier) merged into one run."""
+
+    runs: list[Change] = field(default_factory=list)
+
+    def add(self, kind: str, tier: str, from_tier: str | None, h: int, parent: int | None = None) -> None:
+        if self.runs:
+            last = self.runs[-1]
+            if last[0] == kind and last[1] == tier and last[2] == from_tier:
+                last[3].append(h)
+                if parent is not None:
+                    last[4].append(parent)
+                return
+        self.runs.append((kind, tier, from_tier, [h], [] if parent is None else [parent]))
+
+
+class TieredCache:
+    """Owns the block hashes of one worker. Invariants: a hash is in at most one tier
+    (``_where`` names it), and no tier holds more than its capacity after a call returns."""
+
+    __slots__ = ("_caps", "_tiers", "_where")
+
+    def __init__(self, gpu_blocks: int, dram_blocks: int = 0, disk_blocks: int = 0) -> None:
+        self._caps = (gpu_blocks, dram_blocks, disk_blocks)
+        self._tiers: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
+        self._where: dict[int, int] = {}
+
+    def tier_of(self, h: int) -> int | None:
+        """Index into ``TIERS`` of the tier holding ``h``, or None."""
+        return self._where.get(h)
+
+    def prefix_tiers(self, hashes: list[int]) -> list[int]:
+        """Tier index of each leading block of ``hashes`` held here, up to the first missing one."""
+        out: list[int] = []
+        where = self._where
+        for h in hashes:
+            t = where.get(h)
+            if t is None:
+                break
+            out.append(t)
+        return out
+
+    def used(self, tier: int) -> int:
+        return len(self._tiers[tier])
+
+    def capacity(self, tier: int) -> int:
+        return self._caps[tier]
+
+    def access(self, hashes: list[int], parents: list[int]) -> list[Change]:
+        """Bring ``hashes`` (with their ``parents``) into the GPU tier as most recently used."""
+        log = _ChangeLog()
+        gpu = self._tiers[0]
+        where = self._where
+        for h, parent in zip(hashes, parents, strict=True):
+            t = where.get(h)
+            if t == 0:
+                gpu.move_to_end(h)
+                continue
+            if t is None:
+                log.add("stored", TIERS[0], None, h, parent)
+            else:
+                del self._tiers[t][h]
+                log.add("moved", TIERS[0], TIERS[t], h)
+            gpu[h] = None
+            where[h] = 0
+            self._settle(0, log)
+        return log.runs
+
+    def _settle(self, tier: int, log: _ChangeLog) -> None:
+        """Demote LRU blocks from ``tier`` down while any tier is over capacity."""
+        while tier < len(self._tiers) and len(self._tiers[tier]) > self._caps[tier]:
+            h, _ = self._tiers[tier].popitem(last=False)
+            below = tier + 1
+            while below < len(self._tiers) and self._caps[below] == 0:
+                below += 1
+            if below >= len(self._tiers):
+                del self._where[h]
+                log.add("removed", TIERS[tier], None, h)
+                continue
+            self._tiers[below][h] = None
+            self._where[h] = below
+            log.add("moved", TIERS[below], TIERS[tier], h)
+            self._settle(below, log)

@@ -1,0 +1,248 @@
+"""The fleet simulation: N simulated workers, the live FleetView + Router, and the lagged flow between them.
+
+Message flow (the same as live, minus Kafka)::
+
+    ChatRequest --decide(req, now)--> Router --Assignment (no lag)--> SimWorker
+        ^                                                               |
+        |               FleetView <--- KvEvent / LoadReport / Completion -+  (each delivered lag_ms later)
+
+The router is the scheduler's own code (``services.scheduler.router.Router`` over
+``services.scheduler.view.FleetView``), called with ``now_ms`` = the simulated time of the decision,
+which for a first attempt is the request's ``arrival_ms`` -- what the live scheduler passes. A deferred
+request is retried every ``retry_ms``; a rejected one is counted and dropped.
+
+Workers report after every iteration and, when quiet, every ``heartbeat_ms`` (so the view keeps
+them live). The view is built only from delivered messages, so it lags the truth by ``lag_ms``; a
+decision naming blocks a worker no longer holds falls back to recompute inside the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.costmodel import PerfProfile
+from kvmesh.sim.errors import SimError
+from kvmesh.sim.events import EventQueue
+from kvmesh.sim.metrics import RequestRecord, summarize
+from kvmesh.sim.worker import Job, SimWorker
+from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
+from services.scheduler.router import POLICIES, Router, RouterSettings
+from services.scheduler.view import FleetView, ViewSettings
+from streams.topics import ASSIGNMENTS, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
+
+log = logging.getLogger(__name__)
+
+_ARRIVE, _RETRY, _WORKER, _DELIVER, _HEARTBEAT = range(5)
+
+#: The topic each delivered message travels on live (for a Tap).
+_TOPIC_OF: dict[type, TopicSpec] = {
+    KvEvent: KV_EVENTS,
+    LoadReport: LOAD,
+    Completion: REPLIES,
+    WorkerLost: CONTROL,
+}
+
+#: Sees every message the scheduler sees or sends, in order: (topic, message, simulated ms).
+Tap = Callable[[TopicSpec, object, float], None]
+
+
+def profile_for_block_size(profile: PerfProfile, block_size: int) -> PerfProfile:
+    """``profile`` addressed in ``block_size``-token blocks, keeping each tier's capacity in tokens."""
+    if block_size == profile.block_size:
+        return profile
+    scaled = profile.with_block_size(block_size)
+
+    def blocks(n: int) -> int:
+        return max(n * profile.block_size // block_size, 1 if n else 0)
+
+    return dataclasses.replace(
+        scaled,
+        gpu_blocks=blocks(profile.gpu_blocks),
+        dram_blocks=blocks(profile.dram_blocks),
+        disk_blocks=blocks(profile.disk_blocks),
+    )
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """One simulated run. ``router`` holds RouterSettings overrides (not ``policy``)."""
+
+    workers: int = 16
+    policy: str = "kvmesh"
+    block_size: int = 16
+    lag_ms: float = 10.0
+    heartbeat_ms: float = 2000.0
+    retry_ms: float = 50.0
+    router: dict[str, Any] = field(default_factory=dict)
+    view: ViewSettings = field(default_factory=ViewSettings)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.workers <= 16384:
+            raise SimError("workers must be in [1, 16384]")
+        if self.policy not in POLICIES:
+            raise SimError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.lag_ms < 0 or self.heartbeat_ms <= 0 or self.retry_ms <= 0:
+            raise SimError("lag_ms must be >= 0, heartbeat_ms and retry_ms > 0")
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Everything a run measured; ``summary()`` gives the JSON figures of metrics.summarize."""
+
+    policy: str
+    records: list[RequestRecord]
+    busy_ms: list[float]
+    worker_ids: list[str]
+    rejected: int
+    deferrals: int
+    arrivals: int
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(
+            self.policy, self.records, self.busy_ms, self.worker_ids, self.rejected, self.deferrals
+        )
+
+
+class Simulation:
+    """Owns the event queue, the workers, and the view + router of one policy's run."""
+
+    def __init__(self, profile: PerfProfile, config: SimConfig, tap: Tap | None = None) -> None:
+        self.config = config
+        self.tap = tap
+        self.profile = profile_for_block_size(profile, config.block_size)
+        if self.profile.gpu_blocks < 1:
+            raise SimError("the profile's GPU tier holds no block at this block size")
+        self.view = FleetView(config.block_size, config.view)
+        settings = RouterSettings(policy=config.policy, **config.router)
+        self.router = Router(self.view, settings, scheduler_id="sim-scheduler")
+        self.queue = EventQueue()
+        self.peers: dict[str, SimWorker] = {}
+        width = len(str(config.workers - 1))
+        self.workers = [
+            SimWorker(i, f"w{i:0{width}d}", self.profile, self._emit, self._schedule, self.peers)
+            for i in range(config.workers)
+        ]
+        self.peers.update((w.worker_id, w) for w in self.workers)
+        self.now = 0.0
+        self.rejected = 0
+        self.deferrals = 0
+        self.arrivals = 0
+        view = self.view
+        self._apply: dict[type, Callable[[Any], None]] = {
+            KvEvent: view.apply_kv_event,
+            LoadReport: view.apply_load,
+            Completion: view.note_completion,
+            WorkerLost: view.apply_worker_lost,
+        }
+
+    def _emit(self, message: object, at_ms: float) -> None:
+        self.queue.push(at_ms + self.config.lag_ms, _DELIVER, message)
+
+    def _schedule(self, at_ms: float, worker: SimWorker, job: Job | None) -> None:
+        self.queue.push(at_ms, _WORKER, (worker, worker.gen if job is None else -1, job))
+
+    def _decide(self, req: ChatRequest, now: float, first: bool = True) -> None:
+        tap = self.tap
+        if tap is not None and first:
+            tap(REQUESTS, req, now)
+        decision = self.router.decide(req, int(now))
+        a = decision.assignment
+        if a is not None:
+            if tap is not None:
+                tap(ASSIGNMENTS, a, now)
+            self.peers[a.worker_id].assign(a, req.arrival_ms, now)
+        elif decision.deferred:
+            self.deferrals += 1
+            self.queue.push(now + self.config.retry_ms, _RETRY, req)
+        else:
+            self.rejected += 1
+
+    def run(
+        self, requests: Iterable[ChatRequest], progress: Callable[[int], None] | None = None
+    ) -> SimResult:
+        """Run ``requests`` (in arrival order) to the last completion; ``progress(n)`` per n arrivals."""
+        it = iter(requests)
+        first = next(it, None)
+        q = self.queue
+        if first is not None:
+            # Every worker announces itself before the first request, as a fleet does when it starts.
+            t0 = float(first.arrival_ms) - 1.0
+            for w in self.workers:
+                w.report(t0)
+            while len(q):
+                _, _, msg = q.pop()
+                if self.tap is not None:
+                    self.tap(LOAD, msg, t0)
+                self._apply[type(msg)](msg)
+            q.push(float(first.arrival_ms), _ARRIVE, first)
+            q.push(float(first.arrival_ms) + self.config.heartbeat_ms, _HEARTBEAT)
+        apply = self._apply
+        tap = self.tap
+        pending_progress = 0
+        last_arrival = float(first.arrival_ms) if first is not None else 0.0
+        while len(q):
+            now, kind, payload = q.pop()
+            self.now = now
+            if kind == _DELIVER:
+                if tap is not None:
+                    tap(_TOPIC_OF[type(payload)], payload, now)
+                apply[type(payload)](payload)
+            elif kind == _WORKER:
+                worker, gen, job = payload
+                if job is not None:
+                    worker.on_fetch_done(job, now)
+                elif gen == worker.gen:
+                    worker.on_iteration_end(now)
+            elif kind == _ARRIVE:
+                self.arrivals += 1
+                pending_progress += 1
+                if progress is not None and pending_progress >= 64:
+                    progress(pending_progress)
+                    pending_progress = 0
+                nxt = next(it, None)
+                if nxt is not None:
+                    if nxt.arrival_ms < last_arrival:
+                        raise SimError(f"requests out of arrival order at {nxt.request_id}")
+                    last_arrival = float(nxt.arrival_ms)
+                    q.push(last_arrival, _ARRIVE, nxt)
+                self._decide(payload, now)
+            elif kind == _RETRY:
+                self._decide(payload, now, first=False)
+            elif kind == _HEARTBEAT:
+                quiet = now - self.config.heartbeat_ms
+                sent = 0
+                for w in self.workers:
+                    if w.last_report_ms <= quiet:
+                        w.report(now)
+                        sent += 1
+                # Keep beating while anything else is due: arrivals, iterations, deliveries.
+                if len(q) > sent:
+                    q.push(now + self.config.heartbeat_ms, _HEARTBEAT)
+        if progress is not None and pending_progress:
+            progress(pending_progress)
+        records = [r for w in self.workers for r in w.finished]
+        records.sort(key=lambda r: (r.arrival_ms, r.worker))
+        return SimResult(
+            policy=self.config.policy,
+            records=records,
+            busy_ms=[w.busy_ms for w in self.workers],
+            worker_ids=[w.worker_id for w in self.workers],
+            rejected=self.rejected,
+            deferrals=self.deferrals,
+            arrivals=self.arrivals,
+        )
+
+
+def simulate(
+    requests: Iterable[ChatRequest],
+    profile: PerfProfile,
+    config: SimConfig,
+    progress: Callable[[int], None] | None = None,
+    tap: Tap | None = None,
+) -> SimResult:
+    """Run one policy over ``requests`` and return what it measured."""
+    return Simulation(profile, config, tap).run(requests, progress)

@@ -1,0 +1,99 @@
+"""Per-request records of a simulated run and the per-policy summary computed from them.
+
+Definitions (every figure is computed over completed requests unless it says otherwise):
+
+* ``ttft`` -- arrival to first token (queue wait + deferral + promotion + fetch + prefill), seconds.
+* ``e2e`` -- arrival to last token, seconds.
+* token fractions -- of all prompt tokens: ``reused`` (already on the chosen worker, any tier),
+  ``fetched`` (pulled from a peer), ``recomputed`` (prefilled); they sum to 1. ``kv_hit_fraction`` =
+  reused + fetched (comparable to a fetch-less router's "reused" figure).
+* ``busy_fraction`` per worker -- time the worker spent in iterations / the run's makespan (first
+  arrival to last completion). ``busy_fraction_spread`` = max - min over workers in percentage points;
+  ``busy_fraction_spread_p90_p10`` = p90 - p10, also in points (less sensitive to one outlier).
+* ``throughput_rps`` / ``output_tokens_per_s`` -- completed requests / output tokens per makespan second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """How one completed request went (times in simulated ms)."""
+
+    worker: int
+    arrival_ms: float
+    first_token_ms: float
+    done_ms: float
+    prompt_tokens: int
+    reused_tokens: int
+    fetched_tokens: int
+    recomputed_tokens: int
+    output_tokens: int
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else 0.0
+
+
+def summarize(
+    policy: str,
+    records: list[RequestRecord],
+    busy_ms: list[float],
+    worker_ids: list[str],
+    rejected: int = 0,
+    deferrals: int = 0,
+) -> dict[str, Any]:
+    """The summary of one policy's run as a JSON-ready dict (see the module docstring)."""
+    n = len(records)
+    arrival = np.fromiter((r.arrival_ms for r in records), float, n)
+    first = np.fromiter((r.first_token_ms for r in records), float, n)
+    done = np.fromiter((r.done_ms for r in records), float, n)
+    ttft = (first - arrival) / 1000.0
+    e2e = (done - arrival) / 1000.0
+    prompt = sum(r.prompt_tokens for r in records) or 1
+    reused = sum(r.reused_tokens for r in records)
+    fetched = sum(r.fetched_tokens for r in records)
+    recomputed = sum(r.recomputed_tokens for r in records)
+    out_tokens = sum(r.output_tokens for r in records)
+    makespan_ms = float(done.max() - arrival.min()) if n else 0.0
+    busy = np.asarray(busy_ms, dtype=float) / makespan_ms if makespan_ms > 0 else np.zeros(len(busy_ms))
+    busy = np.minimum(busy, 1.0)
+    span_s = makespan_ms / 1000.0 if makespan_ms > 0 else 1.0
+    return {
+        "policy": policy,
+        "requests": n,
+        "rejected": rejected,
+        "deferrals": deferrals,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p90_s": _pct(ttft, 90),
+        "ttft_p99_s": _pct(ttft, 99),
+        "ttft_mean_s": float(ttft.mean()) if n else 0.0,
+        "e2e_p50_s": _pct(e2e, 50),
+        "e2e_p90_s": _pct(e2e, 90),
+        "e2e_p99_s": _pct(e2e, 99),
+        "throughput_rps": n / span_s,
+        "output_tokens_per_s": out_tokens / span_s,
+        "makespan_s": makespan_ms / 1000.0,
+        "prompt_tokens": prompt if n else 0,
+        "reused_tokens": reused,
+        "fetched_tokens": fetched,
+        "recomputed_tokens": recomputed,
+        "reused_token_fraction": reused / prompt,
+        "fetched_token_fraction": fetched / prompt,
+        "recomputed_token_fraction": recomputed / prompt,
+        "kv_hit_fraction": (reused + fetched) / prompt,
+        "busy_fraction": {w: float(b) for w, b in zip(worker_ids, busy, strict=True)},
+        "busy_fraction_mean": float(busy.mean()) if busy.size else 0.0,
+        "busy_fraction_spread": float(100.0 * (busy.max() - busy.min())) if busy.size else 0.0,
+        "busy_fraction_spread_p90_p10": float(100.0 * (_pct(busy, 90) - _pct(busy, 10))),
+    }
+
+
+def ttft_seconds(records: list[RequestRecord]) -> np.ndarray:
+    """TTFTs in seconds, sorted (for CDF plots)."""
+    return np.sort(np.fromiter(((r.first_token_ms - r.arrival_ms) / 1000.0 for r in records), float))

@@ -1,0 +1,341 @@
+"""One simulated worker: a FCFS prefill queue, a decode batch, a tiered block cache, and its messages.
+
+Time model (ms), one engine *iteration* at a time, as in a continuous-batching engine with mixed
+prefill + decode steps::
+
+    assignment --[pull planned blocks from peers on the link: transfer_ms]--> FCFS queue
+    iteration with a prefill:  promote(local lower-tier blocks) + recompute(rest of prompt)
+                               [+ one decode step when the batch is not empty]
+    decode-only run:           k decode steps of the whole batch (k = steps until the next request ends;
+                               cut at the next step boundary when a new request is queued)
+
+Like the live worker (services/worker/service.py), a fetch happens when the assignment arrives, before
+the request joins the engine's queue, and only extends the prefix the worker already holds; pulls of one
+worker share its link one at a time, while its GPU keeps computing. The worker serves what it really
+holds, not what the scheduler believed: a planned block the peer no longer has ends the pull there, and
+the prefill reuses the longest local prefix at the time it starts and recomputes the rest. After a
+prefill every full prompt block is written to the GPU tier; cache changes go out as KvEvents, and a
+LoadReport after every iteration.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvmesh.costmodel import PerfProfile, decode_ms, promote_ms, recompute_ms, transfer_ms
+from kvmesh.sim.cache import TieredCache
+from kvmesh.sim.metrics import RequestRecord
+from schemas.messages import (
+    TIERS,
+    Assignment,
+    ChatRequest,
+    Completion,
+    FetchPlan,
+    KvEvent,
+    LoadReport,
+    TierUsage,
+)
+
+#: Where a worker sends a message it publishes: (message, simulated time ms).
+Emit = Callable[[object, float], None]
+#: How a worker asks the engine to call it back at a time: (time ms, worker, job (fetch done) or None
+#: (end of iteration; stale unless the worker's ``gen`` is unchanged)).
+Schedule = Callable[[float, "SimWorker", "Job | None"], None]
+
+
+@dataclass(slots=True)
+class Job:
+    """One assigned request on a worker, and how its prompt was served (filled in at prefill)."""
+
+    request: ChatRequest
+    fetch: list[FetchPlan]
+    arrival_ms: float
+    queued_tokens: int  # the scheduler's prefill estimate, published as queued work until prefill starts
+    prompt_tokens: int = 0
+    remaining: int = 0
+    first_token_ms: float = -1.0
+    reused_tokens: int = 0
+    fetched_tokens: int = 0
+    recomputed_tokens: int = 0
+    prefill_ms: float = 0.0
+    fetch_range: tuple[int, int] = (0, 0)  # blocks [lo, hi) pulled from peers before queueing
+    fetched_blocks: int = 0
+
+
+class SimWorker:
+    """Owns one worker's queue, decode batch, cache and busy time.
+
+    Invariants: at most one iteration is in flight (it ends at ``busy_until``); ``gen`` is bumped
+    whenever the pending end-of-iteration event is superseded, so the engine ignores a stale one.
+    Finished requests are kept only as small RequestRecords (a long prompt's token list is the bulk of
+    a run's memory).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        worker_id: str,
+        profile: PerfProfile,
+        emit: Emit,
+        schedule: Schedule,
+        peers: dict[str, SimWorker],
+    ) -> None:
+        self.index = index
+        self.worker_id = worker_id
+        self.address = f"sim://{worker_id}"
+        self.profile = profile
+        self.peers = peers  # every worker of the fleet by id (a shared dict), for fetches
+        self.cache = TieredCache(profile.gpu_blocks, profile.dram_blocks, profile.disk_blocks)
+        self.busy_ms = 0.0
+        self.finished: list[RequestRecord] = []
+        self.last_report_ms = -1.0
+        self.gen = 0
+        self.busy_until = 0.0
+        self._emit = emit
+        self._schedule = schedule
+        self._link_free = 0.0
+        self._queue: deque[Job] = deque()
+        self._decoding: list[Job] = []
+        self._prefilling: Job | None = None
+        self._prefill_start = 0.0
+        self._queued_tokens = 0
+        self._active_tokens = 0
+        self._run_start = 0.0  # start of a decode-only run, and its planned steps (0: not in one)
+        self._run_steps = 0
+
+    # ------------------------------------------------------------------------------------ messages
+
+    def report(self, now_ms: float) -> None:
+        """Publish a LoadReport of the current state."""
+        p = self.profile
+        cache = self.cache
+        tiers = [
+            TierUsage(TIERS[i], cache.capacity(i) - cache.used(i), cache.capacity(i))
+            for i in range(3)
+            if cache.capacity(i) > 0
+        ]
+        queued = self._queued_tokens
+        depth = len(self._queue)
+        job = self._prefilling
+        if job is not None and self.busy_until > now_ms:
+            # The prefill in flight still owes its remaining share of the iteration.
+            span = self.busy_until - self._prefill_start
+            left = (self.busy_until - now_ms) / span if span > 0 else 0.0
+            queued += int(job.recomputed_tokens * left)
+            depth += 1
+        self.last_report_ms = now_ms
+        lr = LoadReport(
+            worker_id=self.worker_id,
+            report_ms=int(now_ms),
+            queue_depth=depth,
+            active_requests=len(self._decoding) + depth,
+            active_tokens=self._active_tokens,
+            queued_prefill_tokens=queued,
+            tiers=tiers,
+            transfer_address=self.address,
+            block_size=p.block_size,
+            block_bytes=p.block_bytes,
+            prefill_ms_per_token=p.prefill_ms_per_token,
+            prefill_ms_per_token_per_ctx=p.prefill_ms_per_token_per_ctx,
+            decode_ms_per_step=p.decode_ms_per_step,
+            link_gbps=p.link_gbps,
+            link_latency_ms=p.link_latency_ms,
+        )
+        self._emit(lr, now_ms)
+
+    # ---------------------------------------------------------------------------------- the engine
+
+    def assign(self, assignment: Assignment, arrival_ms: float, now_ms: float) -> None:
+        """Take a request: pull its planned blocks from peers first (as the live worker does, on the
+        link while the GPU keeps working), then queue it FCFS.
+
+        No LoadReport here: the scheduler's view counts its own assignment as pending until a report
+        newer than it arrives.
+        """
+        job = Job(assignment.request, assignment.fetch, arrival_ms, max(assignment.prefill_tokens, 0))
+        self._queued_tokens += job.queued_tokens
+        if job.fetch:
+            done = self._plan_fetch(job, now_ms)
+            if done is not None:
+                self._schedule(done, self, job)
+                return
+        self._enqueue(job, now_ms)
+
+    def _plan_fetch(self, job: Job, now_ms: float) -> float | None:
+        """Decide which planned blocks the peers really hold now; return when the pull ends."""
+        hashes = job.request.block_hashes
+        have = len(self.cache.prefix_tiers(hashes))
+        cost = 0.0
+        start = have
+        for plan in sorted(job.fetch, key=lambda f: f.first_block):
+            end = plan.first_block + len(plan.block_hashes)
+            if have >= end:
+                continue  # already here (an earlier turn, a replication)
+            peer = self.peers.get(plan.peer_worker)
+            if have < plan.first_block or peer is None:
+                break  # a gap before the fetched blocks: a chained block is useless after it
+            got = 0
+            for pos in range(have, end):
+                h = plan.block_hashes[pos - plan.first_block]
+                if pos >= len(hashes) or hashes[pos] != h or peer.cache.tier_of(h) is None:
+                    break
+                got += 1
+            if got:
+                cost += transfer_ms(self.profile, got, peer.profile.link_gbps, peer.profile.link_latency_ms)
+                have += got
+            if have < end:
+                break  # the peer lacked a block: the rest is recomputed
+        job.fetch = []
+        if have == start:
+            return None
+        job.fetch_range = (start, have)
+        begin = max(now_ms, self._link_free)
+        self._link_free = begin + cost  # one pull at a time on this worker's link
+        return self._link_free
+
+    def on_fetch_done(self, job: Job, now_ms: float) -> None:
+        """The pulled blocks enter the GPU tier (and the view, by KvEvent); the job joins the queue."""
+        lo, hi = job.fetch_range
+        hashes = job.request.block_hashes
+        self._store(hashes[lo:hi], [hashes[i - 1] if i else 0 for i in range(lo, hi)], job, now_ms)
+        job.fetched_blocks = hi - lo
+        self._enqueue(job, now_ms)
+
+    def _enqueue(self, job: Job, now_ms: float) -> None:
+        self._queue.append(job)
+        if now_ms >= self.busy_until:
+            self._start(now_ms)
+            return
+        if self._run_steps:
+            # Cut a decode-only run at the next step boundary so the new prefill starts there.
+            step = self.profile.decode_ms_per_step
+            done = int((now_ms - self._run_start) // step) + 1
+            if done < self._run_steps:
+                self.busy_ms -= (self._run_steps - done) * step
+                self._run_steps = done
+                self.busy_until = self._run_start + done * step
+                self.gen += 1
+                self._schedule(self.busy_until, self, None)
+
+    def on_iteration_end(self, now_ms: float) -> None:
+        """Finish the iteration in flight, start the next one, report."""
+        if self._run_steps:
+            steps, self._run_steps = self._run_steps, 0
+            self._advance_decode(steps, now_ms)
+        elif self._prefilling is not None:
+            job, self._prefilling = self._prefilling, None
+            if self._decoding:
+                self._advance_decode(1, now_ms)
+            self._finish_prefill(job, now_ms)
+        self._start(now_ms)
+        self.report(now_ms)
+
+    def _start(self, now_ms: float) -> None:
+        if self._queue:
+            job = self._queue.popleft()
+            self._queued_tokens -= job.queued_tokens
+            duration = self._serve(job)
+            if self._decoding:
+                duration += self.profile.decode_ms_per_step
+            self._prefilling = job
+            self._prefill_start = now_ms
+        elif self._decoding:
+            steps = min(j.remaining for j in self._decoding)
+            duration = decode_ms(self.profile, steps)
+            self._run_start, self._run_steps = now_ms, steps
+        else:
+            return
+        self.busy_ms += duration
+        self.busy_until = now_ms + duration
+        self.gen += 1
+        self._schedule(self.busy_until, self, None)
+
+    def _serve(self, job: Job) -> float:
+        """Plan ``job``'s prompt against the real caches; return the prefill iteration's length."""
+        p = self.profile
+        bs = p.block_size
+        hashes = job.request.block_hashes
+        n_tok = len(job.request.token_ids)
+        max_reuse = (n_tok - 1) // bs if n_tok else 0  # the last token is always computed (its logits)
+        local = self.cache.prefix_tiers(hashes)[:max_reuse]
+        n = len(local)
+        cost = 0.0
+        for t in (1, 2):  # promote local lower-tier blocks to the GPU
+            k = local.count(t)
+            if k:
+                cost += promote_ms(p, TIERS[t], k)
+        cached_tokens = n * bs
+        new_tokens = n_tok - cached_tokens
+        job.prompt_tokens = n_tok
+        # As the live worker counts: fetched blocks are in the local prefix by now.
+        job.fetched_tokens = min(n, job.fetched_blocks) * bs
+        job.reused_tokens = n * bs - job.fetched_tokens
+        job.recomputed_tokens = new_tokens
+        job.prefill_ms = recompute_ms(p, new_tokens, cached_tokens)
+        return cost + job.prefill_ms
+
+    def _finish_prefill(self, job: Job, now_ms: float) -> None:
+        req = job.request
+        hashes = req.block_hashes
+        parents = [0, *hashes[:-1]] if hashes else []
+        self._store(hashes, parents, job, now_ms)
+        job.first_token_ms = now_ms
+        job.remaining = req.max_tokens - 1
+        job.fetch = []
+        if job.remaining <= 0:
+            self._complete(job, now_ms)
+        else:
+            self._active_tokens += job.prompt_tokens + req.max_tokens
+            self._decoding.append(job)
+
+    def _store(self, hashes: list[int], parents: list[int], job: Job, now_ms: float) -> None:
+        t = int(now_ms)
+        sid = job.request.session_id
+        for kind, tier, from_tier, hs, ps in self.cache.access(hashes, parents):
+            self._emit(KvEvent(self.worker_id, kind, tier, hs, ps, from_tier, sid, t), now_ms)  # type: ignore[arg-type]
+
+    def _advance_decode(self, steps: int, now_ms: float) -> None:
+        still: list[Job] = []
+        for job in self._decoding:
+            job.remaining -= steps
+            if job.remaining <= 0:
+                self._active_tokens -= job.prompt_tokens + job.request.max_tokens
+                self._complete(job, now_ms)
+            else:
+                still.append(job)
+        self._decoding = still
+
+    def _complete(self, job: Job, now_ms: float) -> None:
+        req = job.request
+        self.finished.append(
+            RequestRecord(
+                self.index,
+                job.arrival_ms,
+                job.first_token_ms,
+                now_ms,
+                job.prompt_tokens,
+                job.reused_tokens,
+                job.fetched_tokens,
+                job.recomputed_tokens,
+                req.max_tokens,
+            )
+        )
+        self._emit(
+            Completion(
+                request_id=req.request_id,
+                session_id=req.session_id,
+                worker_id=self.worker_id,
+                finish_reason="length",
+                prompt_tokens=job.prompt_tokens,
+                completion_tokens=req.max_tokens,
+                reused_tokens=job.reused_tokens,
+                fetched_tokens=job.fetched_tokens,
+                recomputed_tokens=job.recomputed_tokens,
+                ttft_ms=job.first_token_ms - job.arrival_ms,
+                prefill_ms=job.prefill_ms,
+                e2e_ms=now_ms - job.arrival_ms,
+            ),
+            now_ms,
+        )

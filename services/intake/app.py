@@ -1,0 +1,45 @@
+"""The FastAPI app factory. Nothing connects at import time: the lifespan builds the service."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kvmesh.tokenizer import Tokenizer
+from services.intake.config import IntakeSettings
+from services.intake.errors import IntakeError
+from services.intake.routes import ROUTERS
+from services.intake.service import IntakeService
+
+
+def create_app(settings: IntakeSettings | None = None, *, tokenizer: Tokenizer | None = None) -> FastAPI:
+    """An intake app; its lifespan starts an :class:`IntakeService` (Kafka) and stops it at shutdown."""
+    settings = settings or IntakeSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service = IntakeService(settings, tokenizer=tokenizer)
+        await service.start()
+        app.state.service = service
+        app.state.started_s = int(time.time())
+        try:
+            yield
+        finally:
+            app.state.service = None
+            await service.stop()
+
+    app = FastAPI(title="kvmesh intake", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = None
+    app.state.started_s = int(time.time())
+
+    @app.exception_handler(IntakeError)
+    async def _intake_error(request: Request, exc: IntakeError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    for router in ROUTERS:
+        app.include_router(router)
+    return app

@@ -1,0 +1,295 @@
+"""The KV manager's long-running loop: consume → apply → liveness → placement → flush → publish.
+
+One task does everything in order, so the directory is never changed while a flush is in flight::
+
+    kv-events ┐                  ┌─ Directory (memory) ──flush (MULTI/EXEC, with offsets)──▶ Redis
+    load      ├─ TypedConsumer ──┤  liveness: silent workers → drop blocks, WorkerLost ───────▶ control
+    requests  ┘  (all partitions)└─ placement: hot prefixes, sessions → Replicate / Retain ──▶ control
+
+Cold start: the directory is loaded from Redis and the consumer seeks to the offsets stored with it,
+so a restarted manager continues exactly where its last flush ended (records after it are re-read;
+those already applied are recognised by their seq and skipped).
+
+Redis outage: the loop keeps consuming and applying; changes stay coalesced in memory and each flush
+retries every ``redis_retry_ms``. Past ``buffer_max_dirty`` dirty entries consumption pauses (Kafka
+keeps the records; nothing is lost). When Redis answers again the next flush writes everything —
+the whole directory if Redis came back empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from schemas.messages import ChatRequest, KvEvent, LoadReport
+from services.kvmanager.config import KvManagerSettings
+from services.kvmanager.directory import REDIS_DOWN_ERRORS, Directory
+from services.kvmanager.liveness import liveness_now, lost_workers, worker_lost_message
+from services.kvmanager.placement import PlacementConfig, PlacementEngine
+from streams.admin import ensure_topics
+from streams.clock import now_ms
+from streams.consumer import Record, TypedConsumer
+from streams.producer import TypedProducer
+from streams.topics import CONTROL, KV_EVENTS, LOAD, REQUESTS, TopicSpec
+
+log = logging.getLogger(__name__)
+
+#: The topics the manager consumes, every partition of each.
+INPUT_TOPICS: tuple[TopicSpec, ...] = (KV_EVENTS, LOAD, REQUESTS)
+
+FlushHook = Callable[[list[int], int], None]
+
+
+def placement_config(s: KvManagerSettings) -> PlacementConfig:
+    return PlacementConfig(
+        window_ms=s.hot_window_ms,
+        min_sessions=s.hot_min_sessions,
+        min_blocks=s.hot_min_blocks,
+        max_replicas=s.max_replicas,
+        bytes_per_s=s.replicate_bytes_per_s,
+        burst_bytes=s.replicate_burst_bytes,
+        tier=s.replicate_tier,
+        pending_ms=s.replicate_pending_ms,
+        min_free_blocks=s.replicate_min_free_blocks,
+        retain_min_turns=s.retain_min_turns,
+        retain_ms=s.retain_ms,
+        session_ttl_ms=s.session_ttl_ms,
+    )
+
+
+class KvManagerService:
+    """Owns the Redis client, the consumer of kv-events/load/requests, the control producer, the
+    in-memory :class:`Directory` and the :class:`PlacementEngine`. ``start()``/``stop()`` are safe
+    twice; ``async with`` works too.
+
+    ``on_flush(event_ms_list, flushed_ms)`` (optional) is called after each successful flush with the
+    envelope times of the KvEvents it made durable (the benchmark measures lag with it).
+    """
+
+    def __init__(
+        self,
+        settings: KvManagerSettings,
+        *,
+        clock: Callable[[], int] = now_ms,
+        on_flush: FlushHook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.on_flush = on_flush
+        self.directory = Directory()
+        self.placement = PlacementEngine(placement_config(settings))
+        self.redis: aioredis.Redis | None = None
+        self.consumer: TypedConsumer | None = None
+        self.producer: TypedProducer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._redis_ok = True
+        self._next_redis_try = 0
+        self._next_verify = 0
+        self._paused_logged = False
+        self._unflushed_event_ms: list[int] = []
+        self.published: dict[str, int] = {"worker_lost": 0, "replicate_command": 0, "retain_hint": 0}
+
+    @property
+    def redis_ok(self) -> bool:
+        """False while the last flush attempt found Redis unreachable."""
+        return self._redis_ok
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        s = self.settings
+        self.redis = aioredis.from_url(s.redis.url, **s.redis.client_kwargs())
+        await self._load_directory()
+        await ensure_topics(s.kafka)
+        self.producer = TypedProducer(s.kafka, s.manager_id)
+        await self.producer.start()
+        assign = [(spec, p) for spec in INPUT_TOPICS for p in range(spec.partitions)]
+        self.consumer = TypedConsumer(s.kafka, [], None, from_beginning=True, dedup=False, assign=assign)
+        await self.consumer.start()
+        resume = {
+            tp: off for tp, off in self.directory.offsets.items() if tp[0] in {t.name for t in INPUT_TOPICS}
+        }
+        if resume:
+            await self.consumer.seek(resume)
+        log.info(
+            "kvmanager %s started: %d blocks, %d workers, resuming %d partitions from Redis offsets",
+            s.manager_id,
+            len(self.directory.blocks),
+            len(self.directory.workers),
+            len(resume),
+        )
+        self._task = asyncio.create_task(self._run(), name="kvmanager-loop")
+
+    async def _load_directory(self) -> None:
+        """Load the directory from Redis, waiting for Redis to answer (nothing can start without it)."""
+        assert self.redis is not None
+        warned = False
+        while True:
+            try:
+                await self.directory.load(self.redis)
+                return
+            except REDIS_DOWN_ERRORS as exc:
+                if not warned:
+                    log.warning(
+                        "Redis at %s unreachable at start (%s); waiting", self.settings.redis.url, exc
+                    )
+                    warned = True
+                await asyncio.sleep(self.settings.redis_retry_ms / 1000)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.redis is not None:
+            with contextlib.suppress(*REDIS_DOWN_ERRORS):
+                await self._flush(force=True)
+        if self.consumer is not None:
+            await self.consumer.stop()
+            self.consumer = None
+        if self.producer is not None:
+            await self.producer.stop()
+            self.producer = None
+        if self.redis is not None:
+            await self.redis.aclose()
+            self.redis = None
+
+    async def __aenter__(self) -> KvManagerService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug in one batch must not stop the fleet's directory; the batch stays unflushed.
+                log.exception("kvmanager step failed")
+                await asyncio.sleep(0.1)
+
+    async def step(self) -> None:
+        """One round: consume a batch (unless paused), apply it, judge liveness, plan, flush, publish."""
+        assert self.consumer is not None
+        s = self.settings
+        out: list[tuple[TopicSpec, Any]] = []
+        if self.directory.dirty_size() < s.buffer_max_dirty:
+            self._paused_logged = False
+            records = await self.consumer.getmany(
+                timeout_ms=s.poll_timeout_ms, max_records=s.batch_max_records
+            )
+            for record in records:
+                out.extend(self._apply(record))
+        else:
+            if not self._paused_logged:
+                log.warning(
+                    "Redis unreachable and %d changes buffered (limit %d): consumption paused",
+                    self.directory.dirty_size(),
+                    s.buffer_max_dirty,
+                )
+                self._paused_logged = True
+            await asyncio.sleep(s.redis_retry_ms / 1000)
+        out.extend(self._liveness())
+        now = self.directory.max_event_ms
+        view_workers = self.directory.workers
+        out.extend((CONTROL, cmd) for cmd in self.placement.plan(now, self.directory, view_workers))
+        await self._flush()
+        await self._publish(out)
+
+    def _apply(self, record: Record) -> list[tuple[TopicSpec, Any]]:
+        env = record.envelope
+        if not self.directory.accept(record.topic, record.partition, record.offset, env.producer, env.seq):
+            return []
+        msg = env.message
+        if isinstance(msg, KvEvent):
+            self.directory.apply_kv_event(msg, env.event_ms)
+            if self.on_flush is not None:
+                self._unflushed_event_ms.append(env.event_ms)
+        elif isinstance(msg, LoadReport):
+            self.directory.apply_load(msg)
+        elif isinstance(msg, ChatRequest):
+            self.directory.observe_lookup(msg)
+            return [(CONTROL, hint) for hint in self.placement.on_request(msg, self.directory)]
+        return []
+
+    def _liveness(self) -> list[tuple[TopicSpec, Any]]:
+        s = self.settings
+        clock = self.clock() if s.liveness_clock == "wall" else None
+        now = liveness_now(self.directory.max_event_ms, clock)
+        last_seen = {w: int(info.get("last_seen_ms", 0)) for w, info in self.directory.workers.items()}
+        out: list[tuple[TopicSpec, Any]] = []
+        for lost in lost_workers(last_seen, now, s.liveness_timeout_ms):
+            dropped = self.directory.drop_worker(lost.worker_id)
+            log.warning(
+                "worker %s lost: no LoadReport since %d (%d ms); dropped %d blocks",
+                lost.worker_id,
+                lost.last_seen_ms,
+                now - lost.last_seen_ms,
+                dropped,
+            )
+            out.append((CONTROL, worker_lost_message(lost, now)))
+        return out
+
+    async def _flush(self, force: bool = False) -> None:
+        assert self.redis is not None
+        wall = self.clock()
+        if not self.directory.has_dirty():
+            if self._redis_ok and wall >= self._next_verify:
+                # Idle: check that Redis still holds our directory (it may have restarted empty).
+                self._next_verify = wall + 1000
+                with contextlib.suppress(*REDIS_DOWN_ERRORS):
+                    await self.directory.verify(self.redis)
+            return
+        if not force and not self._redis_ok and wall < self._next_redis_try:
+            return
+        ok = await self.directory.flush(self.redis)
+        if ok:
+            if not self._redis_ok:
+                log.warning("Redis reachable again: buffered directory changes written")
+            self._redis_ok = True
+            if self.on_flush is not None and self._unflushed_event_ms:
+                events, self._unflushed_event_ms = self._unflushed_event_ms, []
+                self.on_flush(events, self.clock())
+        else:
+            if self._redis_ok:
+                log.warning(
+                    "Redis at %s unreachable: buffering directory changes in memory (limit %d), retrying "
+                    "every %d ms",
+                    self.settings.redis.url,
+                    self.settings.buffer_max_dirty,
+                    self.settings.redis_retry_ms,
+                )
+            self._redis_ok = False
+            self._next_redis_try = wall + self.settings.redis_retry_ms
+
+    async def _publish(self, out: list[tuple[TopicSpec, Any]]) -> None:
+        if not out:
+            return
+        assert self.producer is not None
+        futures = []
+        for topic, msg in out:
+            try:
+                futures.append(await self.producer.send(topic, msg, wait=False))
+            except Exception as exc:  # control messages are advisory; a lost one is re-decided later
+                log.error("could not publish %s: %s", type(msg).__name__, exc)
+                continue
+            self.published[type(msg).SCHEMA] = self.published.get(type(msg).SCHEMA, 0) + 1
+        for fut in futures:
+            try:
+                await fut
+            except Exception as exc:
+                log.error("control message not delivered: %s", exc)

@@ -1,0 +1,79 @@
+"""Settings of a scheduler replica (env prefix ``KVMESH_SCHEDULER_``, nested with ``__``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.scheduler.policies import POLICIES
+from services.scheduler.router import RouterSettings
+from services.scheduler.view import ViewSettings
+from streams.settings import KafkaSettings, RedisSettings
+
+
+class SchedulerSettings(BaseSettings):
+    """Everything a scheduler replica reads from its environment; built once in ``main``."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_SCHEDULER_", env_nested_delimiter="__")
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    scheduler_id: str = "scheduler-0"
+    block_size: int = 16
+
+    # Routing (RouterSettings).
+    policy: str = "kvmesh"
+    max_queue_ms: float = 60_000.0
+    fetch_min_blocks: int = 1
+    tenant_max_inflight: int | None = None
+    least_loaded_k: int = 4
+    no_worker_hold_ms: int = 2000
+    max_hold_ms: int = 30_000
+    # Fair queueing between tenants: deficit round robin quantum, in prompt tokens.
+    quantum_tokens: int = 4096
+
+    # Fleet view (ViewSettings).
+    pending_decay_ms: int = 2000
+    worker_timeout_ms: int = 10_000
+    inflight_timeout_ms: int = 600_000
+
+    # Cold start: load the KV manager's directory snapshot from Redis, then resume kv-events after it.
+    use_snapshot: bool = True
+    # Read Completions from the replies topic to free per-tenant in-flight slots.
+    track_completions: bool = True
+    create_topics: bool = True
+    # How long start() reads state topics up to their end before taking requests.
+    catch_up_timeout_s: float = 10.0
+    poll_timeout_ms: int = 20
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(POLICIES)}")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("block_size must be positive")
+        return v
+
+    def router_settings(self) -> RouterSettings:
+        return RouterSettings(
+            policy=self.policy,
+            max_queue_ms=self.max_queue_ms,
+            fetch_min_blocks=self.fetch_min_blocks,
+            tenant_max_inflight=self.tenant_max_inflight,
+            least_loaded_k=self.least_loaded_k,
+            no_worker_hold_ms=self.no_worker_hold_ms,
+            max_hold_ms=self.max_hold_ms,
+        )
+
+    def view_settings(self) -> ViewSettings:
+        return ViewSettings(
+            pending_decay_ms=self.pending_decay_ms,
+            worker_timeout_ms=self.worker_timeout_ms,
+            inflight_timeout_ms=self.inflight_timeout_ms,
+        )

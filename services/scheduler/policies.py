@@ -1,0 +1,242 @@
+"""Routing policies: pure functions of (view, request, now_ms) that rank candidate workers.
+
+Every policy returns scored candidates, the chosen one first. Scores come from one estimator,
+:func:`score_worker`, which prices a request on a worker with the shared cost model::
+
+    ttft = queue wait          (report's queued prefill + own pending assignments, kvmesh.costmodel)
+         + promotion           (cached blocks sitting in dram/disk brought back to the GPU)
+         + peer transfer       (blocks a peer holds past the local prefix, only if fetch beats recompute)
+         + recompute           (every token after the reused/fetched blocks)
+
+``kvmesh`` picks the least ttft. Baselines: ``round_robin``, ``least_loaded``, ``session_affinity``
+(sticky per session) and ``prefix_aware`` (most cached blocks, ties by load: SGLang/Dynamo style); they
+never plan peer fetches. Because the queue estimate includes pending work, an overloaded fleet does not
+recompute a shared prefix everywhere: moving a request off a busy holder only wins when the saved wait
+exceeds the recompute (or fetch) it costs.
+
+Candidates are the live workers holding a leading block of the prompt plus the ``k`` least loaded live
+workers: any other worker holds nothing of the prompt, so it cannot beat the least loaded of those
+(exact for a homogeneous fleet), and scoring 512 workers per request would cost milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvmesh.costmodel import fetch_beats_recompute, promote_ms, recompute_ms, transfer_ms
+from schemas.messages import ChatRequest
+from services.scheduler.view import FleetView, WorkerState
+
+
+@dataclass(slots=True)
+class CandidateScore:
+    """A policy's estimate for one worker (ms). ``transfer_ms`` includes promotion from lower tiers."""
+
+    worker_id: str
+    ttft_ms: float
+    queue_ms: float
+    recompute_ms: float
+    transfer_ms: float
+    cached_blocks: int
+    fetch_blocks: int
+    fetch_from: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringParams:
+    """The knobs of RouterSettings the policies read."""
+
+    fetch_min_blocks: int = 1
+    least_loaded_k: int = 4
+
+
+@dataclass(slots=True)
+class _Holder:
+    ws: WorkerState
+    counts: list[int]  # [leading blocks, in gpu, in dram, in disk]
+
+
+def _is_live(view: FleetView, ws: WorkerState, now_ms: int, model: str) -> bool:
+    return (
+        ws.report_ms >= now_ms - view.settings.worker_timeout_ms
+        and not ws.report.draining
+        and ws.report.model == model
+    )
+
+
+def _holders(view: FleetView, req: ChatRequest, now_ms: int) -> list[_Holder]:
+    """Live workers holding ≥ 1 leading block of the prompt, longest prefix first (ties by id)."""
+    if req.block_size != view.block_size or not req.block_hashes:
+        return []
+    index = view.index
+    workers = view.workers
+    out: list[_Holder] = []
+    for w, counts in index.match_codes(req.block_hashes).items():
+        ws = workers.get(index.worker_name(w))
+        if ws is not None and _is_live(view, ws, now_ms, req.model):
+            out.append(_Holder(ws, counts))
+    out.sort(key=lambda h: (-h.counts[0], h.ws.worker_id))
+    return out
+
+
+def least_loaded_workers(view: FleetView, live: list[str], k: int, now_ms: int) -> list[str]:
+    """The ``k`` live workers with the least estimated queue wait (ties by worker id)."""
+    if len(live) <= k:
+        workers = view.workers
+        return sorted(live, key=lambda w: (view.queue_ms(workers[w], now_ms), w))
+    # the view keeps workers ranked by a running load key (pending decay not applied): walking its
+    # head costs O(k) instead of one Python call per worker. The picks are then scored exactly.
+    return view.least_loaded(k, live)
+
+
+def score_worker(
+    view: FleetView,
+    ws: WorkerState,
+    req: ChatRequest,
+    now_ms: int,
+    local: list[int] | None,
+    peer: _Holder | None,
+    fetch_min_blocks: int,
+) -> CandidateScore:
+    """Price ``req`` on ``ws``: reuse ``local`` blocks, maybe fetch the rest of ``peer``'s prefix."""
+    p = ws.profile
+    bs = req.block_size
+    n_tok = len(req.token_ids)
+    # at least one token is always computed: its logits start decoding
+    max_reuse = (n_tok - 1) // bs if n_tok else 0
+    cached = 0
+    move = 0.0
+    if local is not None:
+        cached = min(local[0], max_reuse)
+        dram, disk = local[2], local[3]
+        excess = local[0] - cached
+        cut = min(excess, disk)
+        disk -= cut
+        dram -= min(excess - cut, dram)
+        move = promote_ms(p, "dram", dram) + promote_ms(p, "disk", disk)
+    fetch = 0
+    fetch_from = None
+    if peer is not None:
+        k = min(peer.counts[0], max_reuse) - cached
+        pp = peer.ws.profile
+        if k >= max(fetch_min_blocks, 1) and fetch_beats_recompute(
+            p, k, cached * bs, pp.link_gbps, pp.link_latency_ms
+        ):
+            fetch = k
+            fetch_from = peer.ws.worker_id
+            move += transfer_ms(p, k, pp.link_gbps, pp.link_latency_ms)
+    reused_tokens = (cached + fetch) * bs
+    rec = recompute_ms(p, n_tok - reused_tokens, reused_tokens)
+    queue = view.queue_ms(ws, now_ms)
+    return CandidateScore(
+        worker_id=ws.worker_id,
+        ttft_ms=queue + move + rec,
+        queue_ms=queue,
+        recompute_ms=rec,
+        transfer_ms=move,
+        cached_blocks=cached,
+        fetch_blocks=fetch,
+        fetch_from=fetch_from,
+    )
+
+
+def _score_set(
+    view: FleetView,
+    req: ChatRequest,
+    now_ms: int,
+    ids: list[str],
+    holders: list[_Holder],
+    params: ScoringParams,
+    allow_fetch: bool,
+) -> list[CandidateScore]:
+    by_id = {h.ws.worker_id: h for h in holders}
+    best = holders[0] if holders else None
+    second = holders[1] if len(holders) > 1 else None
+    out = []
+    for w in ids:
+        h = by_id.get(w)
+        peer = None
+        if allow_fetch and best is not None:
+            peer = second if best.ws.worker_id == w else best
+        out.append(
+            score_worker(
+                view,
+                view.workers[w],
+                req,
+                now_ms,
+                None if h is None else h.counts,
+                peer,
+                params.fetch_min_blocks,
+            )
+        )
+    return out
+
+
+def _by_ttft(c: CandidateScore) -> tuple[float, str]:
+    return (c.ttft_ms, c.worker_id)
+
+
+def kvmesh(
+    view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
+) -> list[CandidateScore]:
+    """Least estimated time to first token, counting queue, promotion, peer fetch and recompute."""
+    holders = _holders(view, req, now_ms)
+    ids = {h.ws.worker_id for h in holders}
+    ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
+    out = _score_set(view, req, now_ms, sorted(ids), holders, params, allow_fetch=True)
+    out.sort(key=_by_ttft)
+    return out
+
+
+def prefix_aware(
+    view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
+) -> list[CandidateScore]:
+    """Most cached leading blocks; ties (including none cached) by queue wait, then worker id."""
+    holders = _holders(view, req, now_ms)
+    ids = {h.ws.worker_id for h in holders}
+    ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
+    out = _score_set(view, req, now_ms, sorted(ids), holders, params, allow_fetch=False)
+    out.sort(key=lambda c: (-c.cached_blocks, c.queue_ms, c.worker_id))
+    return out
+
+
+def least_loaded(
+    view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
+) -> list[CandidateScore]:
+    """Least queue wait, blind to the cache (ties by worker id)."""
+    ids = least_loaded_workers(view, live, params.least_loaded_k, now_ms)
+    out = _score_set(view, req, now_ms, ids, _holders(view, req, now_ms), params, allow_fetch=False)
+    out.sort(key=lambda c: (c.queue_ms, c.worker_id))
+    return out
+
+
+def round_robin(
+    view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
+) -> list[CandidateScore]:
+    """The next live worker in id order after the previous assignment (counted by the view)."""
+    w = live[view.assignments_noted % len(live)]
+    return _score_set(view, req, now_ms, [w], _holders(view, req, now_ms), params, allow_fetch=False)
+
+
+def session_affinity(
+    view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
+) -> list[CandidateScore]:
+    """The worker of the session's previous turn while it is live; a new session goes to the least loaded."""
+    w = view.session_worker(req.session_id)
+    if w is None or w not in view.workers or not _is_live(view, view.workers[w], now_ms, req.model):
+        w = least_loaded_workers(view, live, 1, now_ms)[0]
+    return _score_set(view, req, now_ms, [w], _holders(view, req, now_ms), params, allow_fetch=False)
+
+
+Policy = Callable[[FleetView, ChatRequest, int, list[str], ScoringParams], list[CandidateScore]]
+
+POLICY_FUNCS: dict[str, Policy] = {
+    "round_robin": round_robin,
+    "least_loaded": least_loaded,
+    "session_affinity": session_affinity,
+    "prefix_aware": prefix_aware,
+    "kvmesh": kvmesh,
+}
+
+POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "session_affinity", "prefix_aware", "kvmesh")

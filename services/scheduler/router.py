@@ -1,0 +1,123 @@
+"""The router: one request and the fleet view in, one Decision out.
+
+``decide`` applies, in order: the deadline (past it → rejection), the tenant's in-flight cap (→
+deferred), the live workers serving the model (none → deferred for ``no_worker_hold_ms`` after arrival,
+then rejection), the policy's ranking, and overload (best queue wait above ``max_queue_ms`` → deferred
+until ``max_hold_ms`` after arrival, then assigned anyway). The assignment carries the fetch plan and the
+estimate, and the router records it in the view (``note_assignment``; idempotent per request id, so a
+driver that also calls it does not double-count).
+
+Deterministic: ``now_ms`` comes from the input event, ties break by worker id, no randomness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan
+from services.scheduler.errors import UnknownPolicy
+from services.scheduler.fairness import deadline_rejection, rejection
+from services.scheduler.policies import POLICIES, POLICY_FUNCS, CandidateScore, ScoringParams
+from services.scheduler.view import FleetView
+
+__all__ = ["POLICIES", "CandidateScore", "Decision", "Router", "RouterSettings"]
+
+
+@dataclass(slots=True)
+class RouterSettings:
+    """How the router decides. Times in ms of event time."""
+
+    policy: str = "kvmesh"
+    max_queue_ms: float = 60_000.0  # best worker's wait above this: defer (hold) instead of piling on
+    fetch_min_blocks: int = 1  # plan a peer fetch only for at least this many blocks
+    tenant_max_inflight: int | None = None  # per-tenant cap on assigned, not yet completed requests
+    least_loaded_k: int = 4  # besides cache holders, how many least-loaded workers are scored
+    no_worker_hold_ms: int = 2000  # hold a request this long after arrival waiting for a live worker
+    max_hold_ms: int = 30_000  # an overloaded fleet holds a request at most this long, then assigns it
+
+
+@dataclass(slots=True)
+class Decision:
+    """The router's answer: exactly one of assignment, rejection, or deferred (hold and retry later)."""
+
+    assignment: Assignment | None
+    rejection: Completion | None
+    candidates: list[CandidateScore]
+    deferred: bool = False
+    reason: str = ""  # why deferred or rejected: "tenant_cap", "no_live_workers", "overloaded", "deadline"
+
+
+class Router:
+    """Owns the decision sequence number of one scheduler replica; reads and notes into the view."""
+
+    def __init__(self, view: FleetView, settings: RouterSettings, scheduler_id: str = "scheduler-0") -> None:
+        if settings.policy not in POLICY_FUNCS:
+            raise UnknownPolicy(f"unknown policy {settings.policy!r}; choose one of {', '.join(POLICIES)}")
+        self.view = view
+        self.settings = settings
+        self.scheduler_id = scheduler_id
+        self.decision_seq = 0
+        self._policy = POLICY_FUNCS[settings.policy]
+        self._params = ScoringParams(settings.fetch_min_blocks, settings.least_loaded_k)
+
+    def decide(self, req: ChatRequest, now_ms: int) -> Decision:
+        s = self.settings
+        view = self.view
+        rejected = deadline_rejection(req, now_ms)
+        if rejected is not None:
+            return Decision(None, rejected, [], reason="deadline")
+        cap = s.tenant_max_inflight
+        if cap is not None and view.tenant_inflight(req.tenant) >= cap:
+            return Decision(None, None, [], deferred=True, reason="tenant_cap")
+        live = view.live_workers(now_ms, req.model)
+        if not live:
+            if now_ms - req.arrival_ms < s.no_worker_hold_ms:
+                return Decision(None, None, [], deferred=True, reason="no_live_workers")
+            msg = f"no live worker serves model {req.model!r}"
+            return Decision(None, rejection(req, msg), [], reason="no_live_workers")
+        candidates = self._policy(view, req, now_ms, live, self._params)
+        best = candidates[0]
+        if best.queue_ms > s.max_queue_ms and now_ms - req.arrival_ms < s.max_hold_ms:
+            return Decision(None, None, candidates, deferred=True, reason="overloaded")
+        self.decision_seq += 1
+        assignment = self._assignment(req, best)
+        view.note_assignment(assignment, now_ms)
+        return Decision(assignment, None, candidates)
+
+    def _assignment(self, req: ChatRequest, best: CandidateScore) -> Assignment:
+        fetch: list[FetchPlan] = []
+        if best.fetch_from is not None and best.fetch_blocks > 0:
+            peer = self.view.workers[best.fetch_from]
+            first = best.cached_blocks
+            fetch.append(
+                FetchPlan(
+                    peer_worker=best.fetch_from,
+                    peer_address=peer.transfer_address,
+                    block_hashes=list(req.block_hashes[first : first + best.fetch_blocks]),
+                    first_block=first,
+                )
+            )
+        reused_tokens = (best.cached_blocks + best.fetch_blocks) * req.block_size
+        return Assignment(
+            request=req,
+            worker_id=best.worker_id,
+            reuse_blocks=best.cached_blocks,
+            prefill_tokens=len(req.token_ids) - reused_tokens,
+            estimate=Estimate(
+                ttft_ms=best.ttft_ms,
+                queue_ms=best.queue_ms,
+                recompute_ms=best.recompute_ms,
+                transfer_ms=best.transfer_ms,
+                policy=self.settings.policy,
+                cached_blocks=best.cached_blocks,
+                fetched_blocks=best.fetch_blocks,
+            ),
+            fetch=fetch,
+            scheduler_id=self.scheduler_id,
+            decision_seq=self.decision_seq,
+        )
+
+
+def decide_all(router: Router, requests: list[ChatRequest]) -> list[Decision]:
+    """Decide each request at its own arrival time, in order (replays and tests)."""
+    return [router.decide(r, r.arrival_ms) for r in requests]

@@ -1,0 +1,303 @@
+"""A scheduler replica's long-running loop: fleet state in, decisions out.
+
+One task does everything in order, so the view never changes during a decision::
+
+    kv-events, load, control (all partitions, no group) ─┐
+    replies (Completions only, from the end)             ├─▶ FleetView
+    requests (group "kvmesh-scheduler": this replica's   │
+              share of the sessions)  ──▶ FairDispatcher ─┴─▶ Router ─▶ assignments (key worker_id)
+                                                                     └▶ rejections → request.reply_topic
+    CancelRequest: dropped from the queue (→ "cancelled" Completion) or forwarded to the worker it got
+
+Cold start: the KV manager's directory snapshot (Redis) seeds the prefix index and the kv-events
+consumer resumes at the snapshot's offsets; load and control are read from the beginning (load is
+compacted). Without a snapshot every partition is replayed from the beginning. Before taking requests
+the replica reads the state topics up to their end, so its first decisions see the current fleet.
+
+Event time: decisions take ``now_ms`` from the largest message time seen (arrival_ms, report_ms,
+declared_ms). Only while requests are held and nothing arrives does the loop advance it by the wall
+clock, so that held requests eventually expire. Held (deferred) requests are committed with their
+batch: a replica that crashes loses them (at most ``max_hold_ms`` worth) rather than replaying them late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+from schemas.messages import (
+    Assignment,
+    CancelRequest,
+    ChatRequest,
+    Completion,
+    KvEvent,
+    LoadReport,
+    WorkerLost,
+)
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.fairness import FairDispatcher
+from services.scheduler.router import Decision, Router
+from services.scheduler.view import FleetView
+from streams.admin import ensure_topics
+from streams.clock import now_ms as wall_ms
+from streams.consumer import Record, TypedConsumer
+from streams.producer import TypedProducer
+from streams.topics import ASSIGNMENTS, BY_NAME, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
+
+log = logging.getLogger(__name__)
+
+GROUP_ID = "kvmesh-scheduler"
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    state_records: int = 0
+    requests: int = 0
+    assigned: int = 0
+    rejected: int = 0
+    cancels_forwarded: int = 0
+    cancelled_queued: int = 0
+
+
+class SchedulerService:
+    """Owns the view, router and dispatcher of one replica, its producer and its two consumers.
+
+    ``start()``/``stop()`` are safe to call twice; ``async with`` works.
+    """
+
+    def __init__(self, settings: SchedulerSettings, *, redis_client: Any | None = None) -> None:
+        self.settings = settings
+        self.view = FleetView(settings.block_size, settings.view_settings())
+        self.router = Router(self.view, settings.router_settings(), settings.scheduler_id)
+        self.dispatcher = FairDispatcher(self.router, settings.quantum_tokens)
+        self.stats = SchedulerStats()
+        self.now_ms = 0
+        self.snapshot_loaded = False
+        self._redis = redis_client
+        self._producer: TypedProducer | None = None
+        self._state: TypedConsumer | None = None
+        self._requests: TypedConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._reply_topics: dict[str, str] = {}  # queued request → its reply topic
+        self._seen_in_snapshot: dict[str, int] = {}  # worker → last_seen_ms in the snapshot
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        s = self.settings
+        try:
+            if s.create_topics:
+                await ensure_topics(s.kafka)
+            self._producer = TypedProducer(s.kafka, s.scheduler_id)
+            await self._producer.start()
+            offsets = await self._cold_start()
+            topics = [KV_EVENTS, LOAD, CONTROL] + ([REPLIES] if s.track_completions else [])
+            self._state = TypedConsumer(s.kafka, topics, None, from_beginning=True, dlq=self._producer)
+            await self._state.start()
+            if s.track_completions:
+                # only Completions of requests decided from now on matter
+                ends = await self._state.end_offsets()
+                offsets.update({tp: off for tp, off in ends.items() if tp[0] == REPLIES.name})
+            if offsets:
+                await self._state.seek(offsets)
+            await self._catch_up()
+            self._requests = TypedConsumer(
+                s.kafka, [REQUESTS], GROUP_ID, from_beginning=True, dlq=self._producer
+            )
+            await self._requests.start()
+        except BaseException:
+            await self._close()
+            raise
+        self._task = asyncio.create_task(self._loop(), name=f"scheduler-{s.scheduler_id}")
+        log.info(
+            "scheduler %s started: policy %s, %d blocks, %d workers, snapshot %s",
+            s.scheduler_id,
+            s.policy,
+            len(self.view.index),
+            len(self.view.workers),
+            "loaded" if self.snapshot_loaded else "not used",
+        )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._close()
+
+    async def __aenter__(self) -> SchedulerService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _close(self) -> None:
+        for name in ("_requests", "_state", "_producer"):
+            part = getattr(self, name)
+            setattr(self, name, None)
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    await part.stop()
+
+    # -- cold start ------------------------------------------------------------------------------
+    async def _cold_start(self) -> dict[tuple[str, int], int]:
+        """Load the directory snapshot; return the kv-events offsets to resume at (empty: replay all)."""
+        s = self.settings
+        if not s.use_snapshot:
+            return {}
+        own = self._redis is None
+        client = self._redis
+        try:
+            from services.kvmanager.snapshot import read_snapshot
+
+            if client is None:
+                import redis.asyncio as aioredis
+
+                client = aioredis.from_url(s.redis.url, **s.redis.client_kwargs())
+            snap = await read_snapshot(client)
+        except Exception as exc:
+            log.warning("no directory snapshot (%s): replaying kv-events from the beginning", exc)
+            return {}
+        finally:
+            if own and client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+        parts = snap.offsets.get(KV_EVENTS.name, {})
+        if not parts:
+            return {}  # the manager has consumed nothing yet: nothing to skip
+        self.view.load_snapshot(snap)
+        self.snapshot_loaded = True
+        for w, info in snap.workers.items():
+            seen = info.get("last_seen_ms") if isinstance(info, dict) else None
+            if isinstance(seen, int):
+                self._seen_in_snapshot[w] = seen
+        return {(KV_EVENTS.name, int(p)): int(off) for p, off in parts.items()}
+
+    async def _catch_up(self) -> None:
+        """Read the state topics up to the end offsets they had when we started (bounded in time)."""
+        state = self._state
+        assert state is not None
+        ends = await state.end_offsets()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.catch_up_timeout_s
+        while loop.time() < deadline:
+            pos = await state.positions()
+            if all(pos.get(tp, 0) >= end for tp, end in ends.items()):
+                return
+            for record in await state.getmany(timeout_ms=100):
+                self._apply_state(record)
+        log.warning(
+            "state topics not caught up within %.1f s; starting anyway", self.settings.catch_up_timeout_s
+        )
+
+    # -- the loop --------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        assert self._state is not None and self._requests is not None
+        poll = self.settings.poll_timeout_ms
+        while True:
+            try:
+                records = await self._state.getmany(timeout_ms=0)
+                for record in records:
+                    self._apply_state(record)
+                requests = await self._requests.getmany(timeout_ms=poll)
+                for record in requests:
+                    await self._on_request(record)
+                if not records and not requests and len(self.dispatcher):
+                    self.now_ms = max(self.now_ms, wall_ms())
+                await self._publish(self.dispatcher.drain(self.now_ms))
+                if requests:
+                    await self._requests.commit()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("scheduler loop iteration failed; continuing")
+                await asyncio.sleep(0.2)
+
+    def _advance(self, t: int) -> None:
+        if t > self.now_ms:
+            self.now_ms = t
+
+    def _apply_state(self, record: Record) -> None:
+        msg = record.message
+        self.stats.state_records += 1
+        if isinstance(msg, KvEvent):
+            self.view.apply_kv_event(msg)
+            self._advance(msg.event_ms)
+        elif isinstance(msg, LoadReport):
+            self.view.apply_load(msg)
+            self._advance(msg.report_ms)
+        elif isinstance(msg, WorkerLost):
+            if self._seen_in_snapshot.get(msg.worker_id, -1) > msg.declared_ms:
+                return  # the snapshot already holds what the worker stored after coming back
+            self.view.apply_worker_lost(msg)
+            self._advance(msg.declared_ms)
+        elif isinstance(msg, Completion):
+            self.view.note_completion(msg)
+
+    async def _on_request(self, record: Record) -> None:
+        msg = record.message
+        self.stats.requests += 1
+        if isinstance(msg, ChatRequest):
+            self._advance(msg.arrival_ms)
+            self._reply_topics[msg.request_id] = msg.reply_topic
+            self.dispatcher.submit(msg)
+        elif isinstance(msg, CancelRequest):
+            await self._on_cancel(msg)
+
+    async def _on_cancel(self, msg: CancelRequest) -> None:
+        producer = self._producer
+        assert producer is not None
+        queued = self.dispatcher.cancel(msg.request_id)
+        if queued is not None:
+            self.stats.cancelled_queued += 1
+            done = Completion(
+                msg.request_id, msg.session_id, "", "cancelled", len(queued.token_ids), 0, error=msg.reason
+            )
+            await producer.send(self._reply_spec(self._reply_topics.pop(msg.request_id, "")), done)
+            return
+        worker = self.view.inflight_worker(msg.request_id) or msg.worker_id
+        if worker is None:
+            log.info("cancel of unknown request %s dropped", msg.request_id)
+            return
+        self.stats.cancels_forwarded += 1
+        await producer.send(ASSIGNMENTS, dataclasses.replace(msg, worker_id=worker), key=worker)
+
+    async def _publish(self, decisions: list[Decision]) -> None:
+        if not decisions:
+            return
+        producer = self._producer
+        assert producer is not None
+        futures = []
+        for d in decisions:
+            if d.assignment is not None:
+                a: Assignment = d.assignment
+                self._reply_topics.pop(a.request.request_id, None)
+                futures.append(await producer.send(ASSIGNMENTS, a, wait=False))
+                self.stats.assigned += 1
+            elif d.rejection is not None:
+                c = d.rejection
+                topic = self._reply_spec(self._reply_topics.pop(c.request_id, ""))
+                futures.append(await producer.send(topic, c, wait=False))
+                self.stats.rejected += 1
+                log.info("rejected %s: %s", c.request_id, c.error)
+        await asyncio.gather(*futures)
+
+    @staticmethod
+    def _reply_spec(name: str) -> TopicSpec:
+        if not name:
+            return REPLIES
+        spec = BY_NAME.get(name)
+        if spec is not None:
+            return spec
+        # an intake with its own reply topic: same shape as the shared one
+        return dataclasses.replace(REPLIES, name=name)

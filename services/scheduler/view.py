@@ -1,0 +1,323 @@
+"""The scheduler's view of the fleet: who holds which blocks, how loaded each worker is, how fast.
+
+The view is built only from ordered input events (KvEvents, LoadReports, WorkerLost, the router's own
+assignments and the Completions it sees); it never reads the clock, so the live service, ``kvmesh
+replay`` and the simulator reach the same view from the same events.
+
+It lags the truth: a worker's LoadReport says nothing about assignments made after ``report_ms``. So
+the router's own assignments count as *pending* load on their worker until a report newer than the
+assignment arrives, or ``pending_decay_ms`` passes (the report may be lost or the worker slow)::
+
+    assign a1 (t=100)   assign a2 (t=130)   report (report_ms=120)   now=140
+    pending = {a1, a2}                       pending = {a2}           queue = report + a2
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.costmodel import PerfProfile, decode_ms, recompute_ms
+from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
+from services.scheduler.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ViewSettings:
+    """How long the view trusts what it was told."""
+
+    pending_decay_ms: int = 2000
+    worker_timeout_ms: int = 10000  # a worker whose last report is older than this (vs now_ms) is not live
+    inflight_timeout_ms: int = 600_000  # an assignment with no Completion after this stops counting
+
+
+@dataclass(slots=True)
+class PendingWork:
+    """One of the router's own assignments not yet reflected in its worker's LoadReport."""
+
+    assign_ms: int
+    request_id: str
+    prefill_tokens: int
+    cached_tokens: int
+    cost_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What the view knows of one worker: its latest report, the profile from it, pending work.
+
+    ``base_queue_ms`` is the wait the latest report implies (queued prefill + one decode step when it
+    is decoding), computed once per report so that a decision only adds the pending part.
+    """
+
+    worker_id: str
+    report: LoadReport
+    profile: PerfProfile
+    report_ms: int
+    base_queue_ms: float
+    pending: deque[PendingWork] = field(default_factory=deque)
+    pending_total_ms: float = 0.0  # prefill ms of everything in ``pending`` (decay not applied)
+    pending_in_order: bool = True  # ``pending`` sorted by assign_ms (false only for out-of-order drivers)
+
+    @property
+    def transfer_address(self) -> str:
+        return self.report.transfer_address
+
+
+def _report_queue_ms(report: LoadReport, profile: PerfProfile) -> float:
+    """The wait implied by a report: its queued prefill (split evenly over the queued requests)."""
+    wait = 0.0
+    if report.queued_prefill_tokens > 0:
+        n = max(report.queue_depth, 1)
+        wait += n * recompute_ms(profile, report.queued_prefill_tokens // n)
+    if report.active_requests > 0:
+        # A running batch interleaves one decode step with the new prefill.
+        wait += decode_ms(profile, 1)
+    return wait
+
+
+@dataclass(slots=True)
+class _Inflight:
+    worker_id: str
+    tenant: str
+    assign_ms: int
+
+
+class FleetView:
+    """Owns the prefix index, the per-worker load state, pending work and in-flight requests.
+
+    Invariants: ``workers`` holds only workers that sent a LoadReport and were not declared lost
+    since; a lost worker holds no blocks in ``index``; pending entries are ordered by assignment.
+    """
+
+    def __init__(self, block_size: int = 16, settings: ViewSettings | None = None) -> None:
+        self.block_size = block_size
+        self.settings = settings or ViewSettings()
+        self.index = PrefixIndex()
+        self.workers: dict[str, WorkerState] = {}
+        self.assignments_noted = 0
+        self._lost: dict[str, int] = {}  # worker → declared_ms of its last WorkerLost
+        self._inflight: dict[str, _Inflight] = {}
+        self._inflight_order: deque[str] = deque()
+        self._tenant_inflight: dict[str, int] = {}
+        self._sessions: dict[str, str] = {}  # session → worker of its last assignment
+        # worker → base queue + pending ms (decay not applied): ranks workers for least-loaded picks
+        # in C (heapq with a dict getter) instead of one Python call per worker per decision
+        self.load_key: dict[str, float] = {}
+        self._load_rank: list[tuple[float, str]] = []  # (load_key, worker) sorted: least loaded first
+        # live-worker cache: valid while no membership change and now_ms in [computed_at, valid_until)
+        self._version = 0
+        self._live_key: tuple[int, str | None] = (-1, None)
+        self._live: list[str] = []
+        self._live_set: frozenset[str] = frozenset()
+        self._live_at = 0
+        self._live_until = -1
+
+    # -- events ----------------------------------------------------------------------------------
+    def apply_kv_event(self, ev: KvEvent) -> None:
+        lost_ms = self._lost.get(ev.worker_id)
+        if lost_ms is not None:
+            # a stale event of a worker declared lost: its blocks went with it. Events without a time
+            # count only once the worker is back (reported after its WorkerLost).
+            stale = ev.event_ms <= lost_ms if ev.event_ms else ev.worker_id not in self.workers
+            if stale:
+                return
+        if ev.kind == "stored":
+            self.index.store(ev.worker_id, ev.tier, ev.block_hashes, ev.parent_hashes)
+        elif ev.kind == "removed":
+            self.index.remove(ev.worker_id, ev.block_hashes)
+        elif ev.kind == "moved":
+            self.index.move(ev.worker_id, ev.tier, ev.block_hashes)
+        elif ev.kind == "cleared":
+            self.index.remove_worker(ev.worker_id)
+
+    def apply_load(self, lr: LoadReport) -> None:
+        lost_ms = self._lost.get(lr.worker_id)
+        if lost_ms is not None and lr.report_ms <= lost_ms:
+            return  # older than the WorkerLost that dropped it (out-of-order or replayed report)
+        ws = self.workers.get(lr.worker_id)
+        if ws is not None and lr.report_ms < ws.report_ms:
+            return  # out of order: keep the newest
+        profile = PerfProfile.from_load_report(lr)
+        if ws is None:
+            ws = WorkerState(lr.worker_id, lr, profile, lr.report_ms, _report_queue_ms(lr, profile))
+            self.workers[lr.worker_id] = ws
+            self._version += 1
+        else:
+            if (
+                ws.report.draining != lr.draining
+                or ws.report.model != lr.model
+                or lr.worker_id not in self._live_set
+            ):
+                # membership of the cached live list may change (a stale worker reporting again)
+                self._version += 1
+            ws.report = lr
+            ws.profile = profile
+            ws.report_ms = lr.report_ms
+            ws.base_queue_ms = _report_queue_ms(lr, profile)
+        # the report now covers every assignment made before it
+        pending = ws.pending
+        while pending and pending[0].assign_ms < lr.report_ms:
+            ws.pending_total_ms -= pending.popleft().cost_ms
+        if not pending:
+            ws.pending_total_ms = 0.0  # no float drift
+        self._set_load_key(lr.worker_id, ws.base_queue_ms + ws.pending_total_ms)
+
+    def apply_worker_lost(self, wl: WorkerLost) -> None:
+        prev = self._lost.get(wl.worker_id, -1)
+        self._lost[wl.worker_id] = max(prev, wl.declared_ms)
+        ws = self.workers.pop(wl.worker_id, None)
+        if ws is not None and ws.report_ms > wl.declared_ms:
+            # it reported after being declared lost (records of two topics crossed): it is back, but its
+            # blocks go as they did in the KV manager's directory; it re-announces what it still has
+            self.workers[wl.worker_id] = ws
+        else:
+            self._set_load_key(wl.worker_id, None)
+        self._version += 1
+        dropped = self.index.remove_worker(wl.worker_id)
+        for rid in [r for r, f in self._inflight.items() if f.worker_id == wl.worker_id]:
+            self._drop_inflight(rid)
+        log.info("worker %s lost (%s): dropped %d blocks", wl.worker_id, wl.reason, dropped)
+
+    def note_assignment(self, a: Assignment, now_ms: int) -> None:
+        """Count the router's own assignment as pending on its worker (idempotent per request id)."""
+        req = a.request
+        if req.request_id in self._inflight:
+            return
+        ws = self.workers.get(a.worker_id)
+        if ws is not None:
+            cached = len(req.token_ids) - a.prefill_tokens
+            cost = recompute_ms(ws.profile, a.prefill_tokens, cached)
+            pending = ws.pending
+            oldest = now_ms - self.settings.pending_decay_ms
+            while pending and pending[0].assign_ms <= oldest:
+                ws.pending_total_ms -= pending.popleft().cost_ms
+            if not pending:
+                ws.pending_in_order = True
+            elif now_ms < pending[-1].assign_ms:
+                ws.pending_in_order = False
+            pending.append(PendingWork(now_ms, req.request_id, a.prefill_tokens, cached, cost))
+            ws.pending_total_ms += cost
+            self._set_load_key(a.worker_id, ws.base_queue_ms + ws.pending_total_ms)
+        self.assignments_noted += 1
+        self._sessions[req.session_id] = a.worker_id
+        self._inflight[req.request_id] = _Inflight(a.worker_id, req.tenant, now_ms)
+        self._inflight_order.append(req.request_id)
+        self._tenant_inflight[req.tenant] = self._tenant_inflight.get(req.tenant, 0) + 1
+        self._expire_inflight(now_ms)
+
+    def note_completion(self, c: Completion) -> None:
+        self._drop_inflight(c.request_id)
+        ws = self.workers.get(c.worker_id)
+        if ws is not None and ws.pending:
+            ws.pending = deque(p for p in ws.pending if p.request_id != c.request_id)
+            ws.pending_total_ms = sum(p.cost_ms for p in ws.pending)
+            self._set_load_key(c.worker_id, ws.base_queue_ms + ws.pending_total_ms)
+
+    def load_snapshot(self, snapshot: Any) -> None:
+        """Start from a KV manager DirectorySnapshot (``blocks`` hash → {worker: tier}, ``parents``)."""
+        self.index.load(snapshot.blocks, getattr(snapshot, "parents", None))
+
+    # -- queries ---------------------------------------------------------------------------------
+    def live_workers(self, now_ms: int, model: str | None = None) -> list[str]:
+        """Workers that reported within ``worker_timeout_ms`` of ``now_ms`` and are not draining, sorted.
+
+        With ``model``, only those serving it. Cached until the membership changes or a worker may time out.
+        """
+        key = (self._version, model)
+        if key == self._live_key and self._live_at <= now_ms < self._live_until:
+            return self._live
+        cutoff = now_ms - self.settings.worker_timeout_ms
+        live = sorted(
+            w
+            for w, ws in self.workers.items()
+            if ws.report_ms >= cutoff
+            and not ws.report.draining
+            and (model is None or ws.report.model == model)
+        )
+        until = min(
+            (self.workers[w].report_ms + self.settings.worker_timeout_ms + 1 for w in live), default=1 << 62
+        )
+        # a worker outside the list becomes live only by reporting, which bumps the version (apply_load)
+        self._live_key, self._live, self._live_at, self._live_until = key, live, now_ms, until
+        self._live_set = frozenset(live)
+        return live
+
+    def pending_ms(self, ws: WorkerState, now_ms: int) -> float:
+        """Prefill time of the router's own assignments to ``ws`` that its reports do not cover yet."""
+        if not ws.pending:
+            return 0.0
+        oldest = now_ms - self.settings.pending_decay_ms
+        first = ws.pending[0].assign_ms
+        if (
+            ws.pending_in_order
+            and first > oldest
+            and first >= ws.report_ms
+            and now_ms >= ws.pending[-1].assign_ms
+        ):
+            return ws.pending_total_ms  # in order and none decayed: the running total is exact
+        return sum(
+            w.cost_ms for w in ws.pending if oldest < w.assign_ms <= now_ms and w.assign_ms >= ws.report_ms
+        )
+
+    def queue_ms(self, ws: WorkerState, now_ms: int) -> float:
+        """Estimated wait before a new request's prefill starts on ``ws``."""
+        return ws.base_queue_ms + self.pending_ms(ws, now_ms)
+
+    def tenant_inflight(self, tenant: str) -> int:
+        return self._tenant_inflight.get(tenant, 0)
+
+    def inflight_worker(self, request_id: str) -> str | None:
+        """The worker the router sent ``request_id`` to, while it is in flight."""
+        f = self._inflight.get(request_id)
+        return None if f is None else f.worker_id
+
+    def session_worker(self, session_id: str) -> str | None:
+        return self._sessions.get(session_id)
+
+    def least_loaded(self, k: int, live: list[str]) -> list[str]:
+        """The ``k`` workers of ``live`` with the least load key (ties by id), from the maintained ranking."""
+        live_set = self._live_set if live is self._live else frozenset(live)
+        out: list[str] = []
+        for _, w in self._load_rank:
+            if w in live_set:
+                out.append(w)
+                if len(out) == k:
+                    break
+        return out
+
+    # -- internals -------------------------------------------------------------------------------
+    def _set_load_key(self, worker_id: str, value: float | None) -> None:
+        rank = self._load_rank
+        old = self.load_key.pop(worker_id, None)
+        if old is not None:
+            del rank[bisect.bisect_left(rank, (old, worker_id))]
+        if value is not None:
+            self.load_key[worker_id] = value
+            bisect.insort(rank, (value, worker_id))
+
+    def _drop_inflight(self, request_id: str) -> None:
+        f = self._inflight.pop(request_id, None)
+        if f is None:
+            return
+        n = self._tenant_inflight.get(f.tenant, 0) - 1
+        if n > 0:
+            self._tenant_inflight[f.tenant] = n
+        else:
+            self._tenant_inflight.pop(f.tenant, None)
+
+    def _expire_inflight(self, now_ms: int) -> None:
+        oldest = now_ms - self.settings.inflight_timeout_ms
+        order = self._inflight_order
+        while order:
+            f = self._inflight.get(order[0])
+            if f is not None and f.assign_ms > oldest:
+                break
+            rid = order.popleft()
+            if f is not None:
+                self._drop_inflight(rid)

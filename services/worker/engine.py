@@ -1,0 +1,522 @@
+"""The inference engine: prefill and decode with continuous batching over the paged KV cache.
+
+One ``step()`` is one iteration of the batch::
+
+    admit     waiting requests, FIFO, while the batch has room: reference the cached prefix
+              (KvCacheManager.acquire_prefix, promoting lower-tier blocks) and allocate the rest
+    prefill   up to ``prefill_chunk`` prompt tokens across prefilling requests (chunked prefill);
+              the request whose prompt completes samples its first token
+    decode    ONE token for every request past prefill, all in one batched forward
+
+A request's KV lives in its list of GPU blocks; block i holds tokens [i*bs, (i+1)*bs). The leading
+blocks that came from the cache are shared and read-only; the rest are the request's own. Whenever one
+of its own blocks fills up it is named by its chained hash (prompt blocks by the request's hashes,
+generated blocks by continuing the chain) and committed to the cache, so the next turn of the
+conversation, whose prompt is this prompt plus the answer, finds it. Attention gathers a request's
+blocks into one contiguous K/V (simple and exact) and runs ``scaled_dot_product_attention``.
+
+The engine is driven by one thread; a lock makes add_request/abort/load safe from another one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kvmesh.costmodel import PerfProfile
+from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from schemas.blocks import ROOT_HASH, block_hashes
+from schemas.messages import KvEvent, SamplingParams
+from services.worker.errors import ModelConfigError, RequestRejected
+from services.worker.kv_cache_manager import KvCacheManager
+from services.worker.kv_layout import BlockLayout
+from services.worker.model import LlamaModel, build_model
+from services.worker.model_configs import get_config
+from services.worker.sampling import allowed_mask, sample
+from services.worker.weights import load_checkpoint
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineRequest",
+    "RequestRejected",
+    "RequestStats",
+    "StepOutput",
+]
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    checkpoint: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    gpu_blocks: int = 1024
+    dram_blocks: int = 4096
+    disk_blocks: int = 0
+    disk_dir: str | None = None
+    max_batch: int = 8
+    max_context: int | None = None
+    prefill_chunk: int = 512
+    seed: int = 0
+    worker_id: str = "worker-0"
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    session_id: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    namespace: bytes
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: list[int] = field(default_factory=list)
+    public_prefix_tokens: int = 0
+    #: Leading blocks the scheduler expected here (Assignment.reuse_blocks + fetched ones); fewer found
+    #: means its view lagged, and the stats say so in ``fallback``.
+    expected_reuse_blocks: int = 0
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    prefill_ms: float
+    promoted_blocks: int
+    fallback: str | None
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "error" | "cancelled"
+    first_token: bool = False
+    stats: RequestStats | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Seq:
+    """A running request: its tokens, block table and progress."""
+
+    req: EngineRequest
+    tokens: list[int]
+    prompt_len: int
+    max_tokens: int
+    hashes: list[int]
+    gen: torch.Generator
+    block_ids: list[int] = field(default_factory=list)
+    committed: int = 0  # leading blocks already named in the cache (or shared from it)
+    n_computed: int = 0  # tokens whose KV is written in block_ids
+    reused_blocks: int = 0
+    promoted: int = 0
+    fallback: str | None = None
+    started: float = 0.0
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_computed < self.prompt_len
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    if name not in ("float32", "float16", "bfloat16"):
+        raise ModelConfigError(f"unsupported dtype {name!r}")
+    return name
+
+
+class Engine:
+    """Owns the model, the tokenizer, the KV cache manager and the queue of requests of one worker."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.device = _resolve_device(cfg.device)
+        dtype_name = _resolve_dtype(cfg.dtype, self.device)
+        dtype = getattr(torch, dtype_name)
+        if cfg.checkpoint:
+            self.model: LlamaModel = load_checkpoint(cfg.checkpoint, self.device, dtype)
+        else:
+            self.model = build_model(get_config(cfg.model), cfg.seed, self.device, dtype)
+        mc = self.model.cfg
+        self.model_cfg = mc
+        tok_file = Path(cfg.checkpoint) / "tokenizer.json" if cfg.checkpoint else None
+        self.tokenizer: Tokenizer = (
+            HFTokenizer(tok_file) if tok_file and tok_file.is_file() else ByteTokenizer()
+        )
+        if self.tokenizer.vocab_size > mc.vocab_size:
+            raise ModelConfigError(
+                f"tokenizer has {self.tokenizer.vocab_size} tokens, model only {mc.vocab_size}"
+            )
+        self.max_context = cfg.max_context or mc.max_context
+        self.layout = BlockLayout(mc.n_layers, mc.n_kv_heads, cfg.block_size, mc.head_dim, dtype_name)
+        self.kv = KvCacheManager(
+            self.layout,
+            gpu_blocks=cfg.gpu_blocks,
+            dram_blocks=cfg.dram_blocks,
+            disk_blocks=cfg.disk_blocks,
+            disk_dir=cfg.disk_dir,
+            device=self.device,
+            worker_id=cfg.worker_id,
+        )
+        self._mask = allowed_mask(self.tokenizer.generation_vocab(), mc.vocab_size)
+        self._waiting: list[_Seq] = []
+        self._running: list[_Seq] = []
+        self._pending: list[StepOutput] = []
+        self._lock = threading.RLock()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request; raises RequestRejected when it can never run here."""
+        bs = self.layout.block_size
+        n = len(req.token_ids)
+        if n == 0:
+            raise RequestRejected(f"request {req.request_id}: empty prompt")
+        if n >= self.max_context:
+            raise RequestRejected(
+                f"request {req.request_id}: prompt of {n} tokens does not fit the context of "
+                f"{self.max_context} tokens (room for at least one generated token is needed)"
+            )
+        if req.max_tokens < 1:
+            raise RequestRejected(f"request {req.request_id}: max_tokens must be at least 1")
+        if min(req.token_ids) < 0 or max(req.token_ids) >= self.model_cfg.vocab_size:
+            raise RequestRejected(f"request {req.request_id}: token id outside the vocabulary")
+        if -(-(n + 1) // bs) > self.kv.pool.num_blocks:
+            raise RequestRejected(
+                f"request {req.request_id}: prompt needs more KV blocks than the GPU tier has "
+                f"({self.kv.pool.num_blocks})"
+            )
+        # The hashes name the blocks this request will store for everyone: they must be the hashes
+        # of its tokens, or a wrong request could poison the cache.
+        expect = block_hashes(req.token_ids, bs, req.namespace, req.public_prefix_tokens)
+        if list(req.block_hashes) != expect:
+            raise RequestRejected(
+                f"request {req.request_id}: block_hashes do not match token_ids "
+                f"(block size {bs}, {len(req.block_hashes)} hashes for {len(expect)} full blocks)"
+            )
+        seed = req.sampling.seed
+        if seed is None:
+            seed = (self.cfg.seed << 32) ^ zlib.crc32(req.request_id.encode())
+        seq = _Seq(
+            req=req,
+            tokens=list(req.token_ids),
+            prompt_len=n,
+            max_tokens=min(req.max_tokens, self.max_context - n),
+            hashes=list(expect),
+            gen=torch.Generator().manual_seed(seed),
+        )
+        with self._lock:
+            if any(s.req.request_id == req.request_id for s in self._waiting + self._running):
+                raise RequestRejected(f"request {req.request_id} is already queued")
+            self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; the next ``step()`` reports it finished with reason "cancelled"."""
+        with self._lock:
+            for lst in (self._waiting, self._running):
+                for s in lst:
+                    if s.req.request_id == request_id:
+                        lst.remove(s)
+                        if s.block_ids:
+                            self.kv.release(s.block_ids)
+                            s.block_ids = []
+                        self._pending.append(StepOutput(request_id, [], True, "cancelled"))
+                        return True
+            return False
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running or self._pending)
+
+    # ---- the step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        with self._lock:
+            out, self._pending = self._pending, []
+            self._admit(out)
+            decoding = [s for s in self._running if not s.prefilling]
+            self._prefill(out)
+            if decoding:
+                self._decode(decoding, out)
+            return out
+
+    def _admit(self, out: list[StepOutput]) -> None:
+        bs = self.layout.block_size
+        while self._waiting and len(self._running) < self.cfg.max_batch:
+            s = self._waiting[0]
+            s.started = time.perf_counter()
+            # The last prompt token is always recomputed: its logits give the first output token,
+            # and shared blocks are never written.
+            usable = min(len(s.hashes), (s.prompt_len - 1) // bs)
+            hit = self.kv.acquire_prefix(s.hashes, max_blocks=usable)
+            need = -(-s.prompt_len // bs) - len(hit.block_ids)
+            own = self.kv.allocate(need)
+            if own is None:
+                self.kv.release(hit.block_ids)
+                if self._running:
+                    return  # wait for running requests to free blocks; FIFO order is kept
+                self._waiting.pop(0)
+                out.append(self._fail(s, "out of KV cache blocks"))
+                continue
+            self._waiting.pop(0)
+            s.block_ids = hit.block_ids + own
+            s.reused_blocks = s.committed = len(hit.block_ids)
+            s.n_computed = s.reused_blocks * bs
+            s.promoted = hit.promoted
+            expected = min(s.req.expected_reuse_blocks, usable)
+            if len(hit.block_ids) < expected:
+                s.fallback = f"expected {expected} cached blocks, found {len(hit.block_ids)}; recomputed"
+            self._running.append(s)
+
+    def _prefill(self, out: list[StepOutput]) -> None:
+        budget = self.cfg.prefill_chunk
+        for s in [s for s in self._running if s.prefilling]:
+            if budget <= 0:
+                break
+            t = min(s.prompt_len - s.n_computed, budget)
+            budget -= t
+            try:
+                logits = self._forward_one(s, t)
+            except Exception as e:  # a failed forward ends this request, not the worker
+                log.exception("prefill of %s failed", s.req.request_id)
+                self._running.remove(s)
+                out.append(self._fail(s, f"prefill failed: {e}"))
+                continue
+            if s.prefilling:
+                continue
+            tok = sample(logits, s.req.sampling, s.gen, self._mask)
+            stats = RequestStats(
+                prompt_tokens=s.prompt_len,
+                reused_tokens=s.reused_blocks * self.layout.block_size,
+                recomputed_tokens=s.prompt_len - s.reused_blocks * self.layout.block_size,
+                prefill_ms=(time.perf_counter() - s.started) * 1e3,
+                promoted_blocks=s.promoted,
+                fallback=s.fallback,
+            )
+            out.append(self._emit_token(s, tok, first=True, stats=stats))
+
+    def _forward_one(self, s: _Seq, t: int) -> Tensor:
+        """Run ``t`` prompt tokens of ``s`` after its computed ones; logits of the last one [V]."""
+        start = s.n_computed
+        toks = torch.tensor(s.tokens[start : start + t], dtype=torch.long, device=self.device)[None]
+        pos = torch.arange(start, start + t, device=self.device)[None]
+        past = self.kv.pool.gather(s.block_ids, start)[:, :, None] if start else None
+        logits, new_kv = self.model(toks, pos, past=past, last_only=True)
+        self.kv.pool.write(s.block_ids, start, new_kv[:, :, 0])
+        s.n_computed += t
+        self._commit_full_blocks(s)
+        return logits[0, -1]
+
+    def _decode(self, seqs: list[_Seq], out: list[StepOutput]) -> None:
+        bs = self.layout.block_size
+        batch: list[_Seq] = []
+        for s in seqs:
+            if s.n_computed // bs >= len(s.block_ids):
+                got = self.kv.allocate(1)
+                if got is None:
+                    self._running.remove(s)
+                    out.append(self._fail(s, "out of KV cache blocks during decode"))
+                    continue
+                s.block_ids += got
+            batch.append(s)
+        if not batch:
+            return
+        try:
+            logits = self._forward_batch(batch)
+        except Exception as e:
+            log.exception("decode step failed")
+            for s in batch:
+                self._running.remove(s)
+                out.append(self._fail(s, f"decode failed: {e}"))
+            return
+        for i, s in enumerate(batch):
+            tok = sample(logits[i], s.req.sampling, s.gen, self._mask)
+            out.append(self._emit_token(s, tok, first=False, stats=None))
+
+    def _forward_batch(self, batch: list[_Seq]) -> Tensor:
+        """Feed each sequence's last token in one forward; logits [B, V]."""
+        pool = self.kv.pool
+        lens = [s.n_computed for s in batch]
+        p_max = max(lens)
+        toks = torch.tensor([[s.tokens[-1]] for s in batch], dtype=torch.long, device=self.device)
+        pos = torch.tensor([[n] for n in lens], dtype=torch.long, device=self.device)
+        past = torch.zeros(
+            (*self.layout.shape[:3], len(batch), p_max, self.layout.head_dim),
+            dtype=pool.tensor.dtype,
+            device=self.device,
+        )
+        # past is [L, 2, Hkv, B, P, D] while filling, permuted to the model's [L, 2, B, Hkv, P, D].
+        mask = torch.zeros((len(batch), p_max), dtype=torch.bool, device=self.device)
+        for i, s in enumerate(batch):
+            past[:, :, :, i, : lens[i]] = pool.gather(s.block_ids, lens[i])
+            mask[i, : lens[i]] = True
+        past = past.permute(0, 1, 3, 2, 4, 5)
+        logits, new_kv = self.model(toks, pos, past=past, past_mask=mask if len(batch) > 1 else None)
+        for i, s in enumerate(batch):
+            pool.write(s.block_ids, lens[i], new_kv[:, :, i])
+            s.n_computed += 1
+            self._commit_full_blocks(s)
+        return logits[:, 0]
+
+    def _commit_full_blocks(self, s: _Seq) -> None:
+        bs = self.layout.block_size
+        full = s.n_computed // bs
+        while len(s.hashes) < full:
+            # Generated tokens continue the prompt's hash chain (same namespace rules).
+            k = len(s.hashes)
+            parent = s.hashes[-1] if s.hashes else ROOT_HASH
+            s.hashes += block_hashes(
+                s.tokens[k * bs : (k + 1) * bs],
+                bs,
+                s.req.namespace,
+                s.req.public_prefix_tokens,
+                parent=parent,
+                start_token=k * bs,
+            )
+        for i in range(s.committed, full):
+            parent = s.hashes[i - 1] if i else ROOT_HASH
+            self.kv.commit_computed(s.block_ids[i], s.hashes[i], parent, s.req.namespace, s.req.session_id)
+        s.committed = max(s.committed, full)
+
+    def _emit_token(self, s: _Seq, tok: int, first: bool, stats: RequestStats | None) -> StepOutput:
+        s.tokens.append(tok)
+        s.output.append(tok)
+        reason = None
+        if tok in s.req.stop_token_ids:
+            reason = "stop"
+        elif len(s.output) >= s.max_tokens or len(s.tokens) >= self.max_context:
+            reason = "length"
+        if reason is not None:
+            self._finish(s)
+        return StepOutput(s.req.request_id, [tok], reason is not None, reason, first, stats)
+
+    def _finish(self, s: _Seq) -> None:
+        self._commit_full_blocks(s)
+        if s in self._running:
+            self._running.remove(s)
+        self.kv.release(s.block_ids)
+        s.block_ids = []
+
+    def _fail(self, s: _Seq, message: str) -> StepOutput:
+        if s.block_ids:
+            self.kv.release(s.block_ids)
+            s.block_ids = []
+        return StepOutput(s.req.request_id, [], True, "error", error=message)
+
+    # ---- cache and load ----------------------------------------------------------------------
+    def lookup_prefix(self, block_hashes: list[int]) -> int:
+        return self.kv.lookup_prefix(block_hashes)
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        return self.kv.drain_kv_events()
+
+    def load(self) -> dict:
+        with self._lock:
+            active = [s for s in self._running]
+            return {
+                "queue_depth": len(self._waiting),
+                "active_requests": len(active),
+                "active_tokens": sum(len(s.tokens) for s in active),
+                "queued_prefill_tokens": sum(s.prompt_len for s in self._waiting)
+                + sum(s.prompt_len - s.n_computed for s in active if s.prefilling),
+                "tiers": self.kv.tier_usage(),
+            }
+
+    def release_all(self) -> list[KvEvent]:
+        """Graceful shutdown: forget every request and every block; the events to publish."""
+        with self._lock:
+            self._waiting.clear()
+            self._running.clear()
+            self._pending.clear()
+            events = self.kv.clear()
+            self.kv.close()
+            return events
+
+    # ---- calibration -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def calibrate(self, short: int = 128, long: int = 512, decode_ctx: int = 256) -> PerfProfile:
+        """Measure this machine: prefill cost per token (a) and per token of context (b) from two prompt
+        lengths, ``t(n) = n * (a + b * n / 2)``, and the time of one decode step."""
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        vocab = min(self.model_cfg.vocab_size, 256)
+
+        def timed_prefill(n: int) -> float:
+            toks = torch.randint(0, vocab, (1, n), generator=gen).to(self.device)
+            pos = torch.arange(n, device=self.device)[None]
+            best = float("inf")
+            for _ in range(2):
+                self._sync()
+                t0 = time.perf_counter()
+                self.model(toks, pos, last_only=True)
+                self._sync()
+                best = min(best, (time.perf_counter() - t0) * 1e3)
+            return best
+
+        timed_prefill(16)  # warm-up (allocator, kernels)
+        t1, t2 = timed_prefill(short), timed_prefill(long)
+        b = max(2.0 * (t2 / long - t1 / short) / (long - short), 0.0)
+        a = max(t1 / short - b * short / 2.0, 1e-6)
+
+        toks = torch.randint(0, vocab, (1, decode_ctx), generator=gen).to(self.device)
+        _, kv = self.model(toks, torch.arange(decode_ctx, device=self.device)[None])
+        one = toks[:, -1:]
+        pos = torch.tensor([[decode_ctx]], device=self.device)
+        steps = []
+        for _ in range(5):
+            self._sync()
+            t0 = time.perf_counter()
+            self.model(one, pos, past=kv)
+            self._sync()
+            steps.append((time.perf_counter() - t0) * 1e3)
+        decode = sorted(steps)[len(steps) // 2]
+
+        dram_gbps = self._measure_dram_gbps()
+        return PerfProfile(
+            prefill_ms_per_token=a,
+            prefill_ms_per_token_per_ctx=b,
+            decode_ms_per_step=decode,
+            link_gbps=1.0,
+            link_latency_ms=1.0,
+            block_bytes=self.layout.nbytes,
+            block_size=self.layout.block_size,
+            dram_gbps=dram_gbps,
+            gpu_blocks=self.kv.pool.num_blocks,
+            dram_blocks=self.kv.dram.capacity,
+            disk_blocks=self.kv.disk.capacity,
+        )
+
+    def _measure_dram_gbps(self) -> float:
+        n = min(32, self.kv.pool.num_blocks)
+        src = self.kv.pool.tensor[:n]
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.device.type == "cuda")
+        self._sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        self._sync()
+        dt = max(time.perf_counter() - t0, 1e-6)
+        return max(n * self.layout.nbytes / dt / 1e9, 0.1)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

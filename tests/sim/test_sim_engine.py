@@ -1,0 +1,120 @@
+"""The fleet simulator over the live router: policies rank as they should, runs are deterministic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmesh.costmodel import PROFILES
+from kvmesh.sim.__main__ import main
+from kvmesh.sim.engine import SimConfig, profile_for_block_size, simulate
+from kvmesh.sim.errors import SimError
+from kvmesh.workloads import MultiTurnSpec, multiturn
+
+PROFILE = PROFILES["h100-llama3-8b"]
+# Long private histories, a short shared system prompt: reuse depends on routing turns to their cache.
+SPEC = MultiTurnSpec(
+    users=13,
+    rounds=4,
+    system_prompt_tokens=128,
+    history_tokens=2048,
+    question_tokens=64,
+    answer_tokens=16,
+    qps=8,
+)
+
+
+@pytest.fixture(scope="module")
+def summaries() -> dict[str, dict]:
+    out = {}
+    for policy in ("round_robin", "least_loaded", "prefix_aware", "kvmesh"):
+        out[policy] = simulate(multiturn(SPEC), PROFILE, SimConfig(workers=4, policy=policy)).summary()
+    return out
+
+
+def test_every_request_completes(summaries: dict[str, dict]) -> None:
+    for s in summaries.values():
+        assert s["requests"] == SPEC.users * SPEC.rounds
+        assert s["rejected"] == 0
+        fractions = s["reused_token_fraction"] + s["fetched_token_fraction"] + s["recomputed_token_fraction"]
+        assert fractions == pytest.approx(1.0)
+
+
+def test_cache_aware_policies_reuse_far_more(summaries: dict[str, dict]) -> None:
+    rr = summaries["round_robin"]["kv_hit_fraction"]
+    assert summaries["prefix_aware"]["kv_hit_fraction"] > rr + 0.4
+    assert summaries["kvmesh"]["kv_hit_fraction"] > rr + 0.4
+    assert summaries["round_robin"]["fetched_token_fraction"] == 0.0
+    assert summaries["kvmesh"]["ttft_p50_s"] < summaries["round_robin"]["ttft_p50_s"]
+    assert summaries["kvmesh"]["ttft_p50_s"] < summaries["least_loaded"]["ttft_p50_s"]
+
+
+def test_runs_are_deterministic() -> None:
+    a = simulate(multiturn(SPEC), PROFILE, SimConfig(workers=4, policy="kvmesh")).summary()
+    b = simulate(multiturn(SPEC), PROFILE, SimConfig(workers=4, policy="kvmesh")).summary()
+    assert a == b
+
+
+def test_profile_keeps_capacity_in_tokens() -> None:
+    p = profile_for_block_size(PROFILE, 512)
+    assert p.block_size == 512
+    assert p.gpu_blocks * 512 == PROFILE.gpu_blocks * PROFILE.block_size
+    assert p.block_bytes == PROFILE.block_bytes * 32
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(SimError):
+        SimConfig(policy="nope")
+    with pytest.raises(SimError):
+        SimConfig(workers=0)
+
+
+def _trace(path: Path, n: int) -> Path:
+    rows = []
+    for i in range(n):
+        shared = [0, 1, 2] if i % 2 else [10, 11]
+        ids = [*shared, 100 + 3 * i, 101 + 3 * i]
+        rows.append(
+            {"timestamp": 200 * i, "input_length": 512 * len(ids) - 7, "output_length": 4, "hash_ids": ids}
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_cli_on_a_trace_prints_json_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _trace(tmp_path / "trace.jsonl", 40)
+    rc = main(
+        [
+            "--trace",
+            str(trace),
+            "--workers",
+            "4",
+            "--policies",
+            "round_robin,kvmesh",
+            "--time-scale",
+            "0.5",
+            "--max-requests",
+            "30",
+            "--plot",
+            str(tmp_path / "plots"),
+            "--json",
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["policies"]) == {"round_robin", "kvmesh"}
+    for s in out["policies"].values():
+        assert s["requests"] == 30
+        for key in ("ttft_p50_s", "ttft_p99_s", "reused_token_fraction", "busy_fraction_spread"):
+            assert key in s
+    assert out["policies"]["kvmesh"]["kv_hit_fraction"] > out["policies"]["round_robin"]["kv_hit_fraction"]
+    assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "busy_fraction.png").stat().st_size > 0
+
+
+def test_cli_refuses_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--workload", "multiturn", "--policies", "magic", "--no-progress"]) == 2
+    assert "magic" in capsys.readouterr().err

@@ -1,0 +1,81 @@
+"""The simulated worker serves what it really holds: fetch what the peer has, recompute the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvmesh.costmodel import PROFILES, recompute_ms
+from kvmesh.sim.worker import SimWorker
+from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent
+
+BS = 16
+PROFILE = dataclasses.replace(PROFILES["h100-llama3-8b"], gpu_blocks=64, dram_blocks=0, disk_blocks=0)
+
+
+class _Harness:
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, float]] = []
+        self.calls: list[tuple[float, SimWorker, object]] = []
+        self.peers: dict[str, SimWorker] = {}
+        for i in range(2):
+            w = SimWorker(i, f"w{i}", PROFILE, self._emit, self._schedule, self.peers)
+            self.peers[w.worker_id] = w
+
+    def _emit(self, msg: object, t: float) -> None:
+        self.sent.append((msg, t))
+
+    def _schedule(self, t: float, w: SimWorker, job: object) -> None:
+        self.calls.append((t, w, job))
+
+    def run(self) -> None:
+        while self.calls:
+            self.calls.sort(key=lambda c: c[0])
+            t, w, job = self.calls.pop(0)
+            if job is not None:
+                w.on_fetch_done(job, t)  # type: ignore[arg-type]
+            elif w.busy_until == t:
+                w.on_iteration_end(t)
+
+
+def _request(n_blocks: int, rid: str) -> ChatRequest:
+    from schemas.blocks import block_hashes
+
+    tokens = list(range(n_blocks * BS + 1))
+    return ChatRequest(rid, rid, "t", tokens, block_hashes(tokens, BS), BS, 2, 0)
+
+
+def _assign(req: ChatRequest, worker: str, fetch: list[FetchPlan]) -> Assignment:
+    return Assignment(req, worker, 0, len(req.token_ids), Estimate(0, 0, 0, 0, "kvmesh"), fetch)
+
+
+def test_fetch_stops_at_first_block_the_peer_lacks() -> None:
+    h = _Harness()
+    w0, w1 = h.peers["w0"], h.peers["w1"]
+    req = _request(8, "r1")
+    # w1 holds only the first 5 blocks of the prompt
+    w1.cache.access(req.block_hashes[:5], [0, *req.block_hashes[:4]])
+    plan = FetchPlan("w1", w1.address, req.block_hashes, 0)
+    w0.assign(_assign(req, "w0", [plan]), 0.0, 0.0)
+    h.run()
+    done = [m for m, _ in h.sent if isinstance(m, Completion)]
+    assert len(done) == 1
+    c = done[0]
+    assert (c.fetched_tokens, c.reused_tokens, c.recomputed_tokens) == (5 * BS, 0, 3 * BS + 1)
+    assert c.prefill_ms == recompute_ms(PROFILE, 3 * BS + 1, 5 * BS)
+    stored = [m for m, _ in h.sent if isinstance(m, KvEvent) and m.kind == "stored"]
+    assert [len(e.block_hashes) for e in stored] == [5, 3]  # fetched run, then the prefill's blocks
+
+
+def test_second_turn_reuses_local_blocks() -> None:
+    h = _Harness()
+    w0 = h.peers["w0"]
+    req = _request(4, "r1")
+    w0.assign(_assign(req, "w0", []), 0.0, 0.0)
+    h.run()
+    again = dataclasses.replace(req, request_id="r2", arrival_ms=1000)
+    w0.assign(_assign(again, "w0", []), 1000.0, 1000.0)
+    h.run()
+    c = [m for m, _ in h.sent if isinstance(m, Completion)][-1]
+    assert (c.reused_tokens, c.fetched_tokens, c.recomputed_tokens) == (4 * BS, 0, 1)
+    assert len(w0.finished) == 2
+    assert w0.finished[1].first_token_ms > 1000.0

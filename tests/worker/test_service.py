@@ -1,0 +1,208 @@
+"""The worker service end to end on a real broker: assignments in, tokens and completions out, and
+KV blocks fetched from a peer worker over the data plane (two workers in one test)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
+from schemas.blocks import block_hashes, tenant_namespace
+from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent, LoadReport
+from services.worker.config import WorkerSettings
+from services.worker.service import WorkerService
+from streams import topics
+from streams.clock import now_ms
+from streams.consumer import TypedConsumer
+from streams.producer import TypedProducer
+from streams.settings import KafkaSettings
+
+pytestmark = pytest.mark.integration
+
+TOK = ByteTokenizer()
+NS = tenant_namespace("acme")
+
+
+def _request(rid: str, tokens: list[int], max_tokens: int = 12, **kw: object) -> ChatRequest:
+    return ChatRequest(
+        request_id=rid,
+        session_id="sess-1",
+        tenant="acme",
+        token_ids=tokens,
+        block_hashes=block_hashes(tokens, 16, NS),
+        block_size=16,
+        max_tokens=max_tokens,
+        arrival_ms=now_ms(),
+        namespace=NS,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _assign(
+    req: ChatRequest, worker: str, reuse: int = 0, fetch: list[FetchPlan] | None = None
+) -> Assignment:
+    return Assignment(
+        request=req,
+        worker_id=worker,
+        reuse_blocks=reuse,
+        prefill_tokens=len(req.token_ids) - reuse * 16,
+        estimate=Estimate(ttft_ms=1.0, queue_ms=0.0, recompute_ms=1.0, transfer_ms=0.0, policy="test"),
+        fetch=fetch or [],
+    )
+
+
+class Fleet:
+    """Two workers, a producer standing in for the scheduler, and a reply reader."""
+
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self.kafka = kafka
+        self.workers: dict[str, WorkerService] = {}
+        self.producer = TypedProducer(kafka, "test-scheduler")
+        self.replies = TypedConsumer(kafka, [topics.REPLIES], group_id=None, from_beginning=True)
+        self.completions: dict[str, Completion] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, ids: list[str]) -> None:
+        for wid in ids:
+            s = WorkerSettings(
+                worker_id=wid,
+                insecure_dev_transfer=True,
+                calibrate=False,
+                gpu_blocks=256,
+                dram_blocks=256,
+                load_interval_ms=200,
+                kafka=self.kafka,
+            )
+            w = WorkerService(s)
+            await w.start()
+            self.workers[wid] = w
+        await self.producer.start()
+        await self.replies.start()
+
+        async def on_reply(rec: object) -> None:
+            msg = rec.message  # type: ignore[attr-defined]
+            if isinstance(msg, Completion):
+                self.completions[msg.request_id] = msg
+
+        self._task = asyncio.create_task(self.replies.run(on_reply))
+
+    async def run(self, a: Assignment, timeout: float = 60.0) -> Completion:
+        await self.producer.send(topics.ASSIGNMENTS, a)
+        async with asyncio.timeout(timeout):
+            while a.request.request_id not in self.completions:
+                await asyncio.sleep(0.05)
+        return self.completions[a.request.request_id]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.replies.stop()
+        await self.producer.stop()
+        for w in self.workers.values():
+            await w.stop()
+
+
+@pytest.fixture
+async def fleet(kafka_settings: KafkaSettings) -> AsyncIterator[Fleet]:
+    f = Fleet(kafka_settings)
+    await f.start(["worker-a", "worker-b"])
+    try:
+        yield f
+    finally:
+        await f.stop()
+
+
+def _turn1() -> list[int]:
+    msgs = [
+        ChatMessage("system", "You are a terse assistant. " * 4),
+        ChatMessage("user", "Name three colours."),
+    ]
+    return render_chat(TOK, msgs)
+
+
+async def test_turn_two_on_another_worker_fetches_blocks_and_matches(fleet: Fleet) -> None:
+    p1 = _turn1()
+    c1 = await fleet.run(_assign(_request("t1", p1), "worker-a"))
+    assert c1.finish_reason in ("stop", "length") and c1.worker_id == "worker-a"
+    assert c1.reused_tokens == 0 and c1.recomputed_tokens == len(p1)
+    answer = c1.output_token_ids
+    p2 = (
+        p1
+        + answer
+        + [TOK.END]
+        + TOK.role_ids("user")
+        + TOK.encode("And three more?")
+        + [TOK.END]
+        + TOK.role_ids("assistant")
+    )
+    h2 = block_hashes(p2, 16, NS)
+    held = fleet.workers["worker-a"].engine.lookup_prefix(h2)
+    assert held >= len(p1) // 16  # turn 1's prompt blocks (and some answer blocks) stayed cached on A
+
+    # B gets turn 2 with a plan to fetch A's blocks over the data plane.
+    plan = FetchPlan(
+        peer_worker="worker-a",
+        peer_address=fleet.workers["worker-a"].transfer_address,
+        block_hashes=h2[:held],
+        first_block=0,
+    )
+    c2b = await fleet.run(_assign(_request("t2-b", p2), "worker-b", fetch=[plan]))
+    # The same turn on A (all local) is the reference: B must produce exactly its tokens.
+    c2a = await fleet.run(_assign(_request("t2-a", p2), "worker-a", reuse=held))
+    assert c2b.worker_id == "worker-b" and c2a.worker_id == "worker-a"
+    assert c2b.output_token_ids == c2a.output_token_ids
+    assert c2b.fetched_tokens > 0 and c2b.fetched_tokens + c2b.reused_tokens >= (held - 1) * 16
+    assert c2a.reused_tokens >= (held - 1) * 16 and c2a.fetched_tokens == 0
+    assert c2b.fallback is None
+
+
+async def test_failed_fetch_falls_back_to_recompute_with_identical_output(fleet: Fleet) -> None:
+    p1 = _turn1()
+    ref = await fleet.run(_assign(_request("ref", p1), "worker-a"))
+    h = block_hashes(p1, 16, NS)
+    dead = FetchPlan(peer_worker="worker-gone", peer_address="127.0.0.1:1", block_hashes=h, first_block=0)
+    c = await fleet.run(_assign(_request("fb", p1), "worker-b", fetch=[dead]))
+    assert c.finish_reason in ("stop", "length")
+    assert c.output_token_ids == ref.output_token_ids
+    assert c.fetched_tokens == 0 and c.recomputed_tokens == len(p1)
+    assert c.fallback and "incomplete" in c.fallback
+    assert fleet.workers["worker-b"].metrics["fetch_failures"] == 1
+
+
+async def test_bad_requests_get_error_completions_and_the_worker_goes_on(fleet: Fleet) -> None:
+    late = _request("late", _turn1(), deadline_ms=now_ms() - 1000)
+    c = await fleet.run(_assign(late, "worker-a"))
+    assert c.finish_reason == "rejected" and "deadline" in (c.error or "")
+    too_long = _request("long", [65] * 10_000)
+    c = await fleet.run(_assign(too_long, "worker-a"))
+    assert c.finish_reason == "error" and c.error
+    # garbage on the assignments topic goes to the dead-letter topic; the next assignment still runs
+    await fleet.producer.send_raw(topics.ASSIGNMENTS.name, b"\x00garbage", key="worker-a")
+    ok = await fleet.run(_assign(_request("ok", _turn1()), "worker-a"))
+    assert ok.finish_reason in ("stop", "length") and ok.completion_tokens > 0
+
+
+async def test_worker_publishes_load_and_kv_events(fleet: Fleet) -> None:
+    p1 = _turn1()
+    await fleet.run(_assign(_request("ev", p1), "worker-a"))
+    seen_load: set[str] = set()
+    stored: set[int] = set()
+    consumer = TypedConsumer(fleet.kafka, [topics.LOAD, topics.KV_EVENTS], group_id=None, from_beginning=True)
+    await consumer.start()
+    try:
+        async with asyncio.timeout(20):
+            while not ({"worker-a", "worker-b"} <= seen_load and set(block_hashes(p1, 16, NS)) <= stored):
+                for rec in await consumer.getmany(timeout_ms=200):
+                    if isinstance(rec.message, LoadReport):
+                        seen_load.add(rec.message.worker_id)
+                        assert rec.message.transfer_address.startswith("127.0.0.1:")
+                    elif isinstance(rec.message, KvEvent) and rec.message.kind == "stored":
+                        if rec.message.worker_id == "worker-a":
+                            stored.update(rec.message.block_hashes)
+    finally:
+        await consumer.stop()

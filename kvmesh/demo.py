@@ -87,7 +87,7 @@ async def run_demo(
                     TurnResult(
                         user=u,
                         turn=turn + 1,
-                        worker=str(ext.get("worker_id", "?")),
+                        worker=str(ext.get("worker", "?")),
                         ttft_ms=float(ext.get("ttft_ms", 0.0)),
                         e2e_ms=e2e,
                         prompt_tokens=int(usage.get("prompt_tokens", 0)),

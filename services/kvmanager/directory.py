@@ -14,7 +14,7 @@ Redis layout (block hashes and offsets as decimal strings):
 =========================  ======  ==================================================================
 key                        type    content
 =========================  ======  ==================================================================
-``kvm:blk:{hash}``         hash    worker → ``"{tier}:{last_ms}"`` (one field per holder)
+``kvm:holders``            hash    block hash → ``"{worker}={tier}:{last_ms},…"`` (by worker id)
 ``kvm:parents``            hash    block hash → parent hash (0 for a first block)
 ``kvm:copies``             hash    block hash → number of workers holding it (absent = 0)
 ``kvm:wrk:{worker}``       set     block hashes the worker holds
@@ -25,8 +25,10 @@ key                        type    content
 ``kvm:version``            string  incremented by every flush (readers WATCH it for a consistent read)
 =========================  ======  ==================================================================
 
-Invariants: a block key exists iff some worker holds the block; ``kvm:copies[h]`` equals the number
-of fields of ``kvm:blk:{h}``; ``h ∈ kvm:wrk:{w}`` iff ``w`` is a field of ``kvm:blk:{h}``.
+Invariants: ``kvm:holders[h]`` exists iff some worker holds the block; ``kvm:copies[h]`` equals the
+number of its entries; ``h ∈ kvm:wrk:{w}`` iff ``w`` is one of them. One hash field per block (not one
+key per block) lets a flush write thousands of blocks per Redis call. Worker ids must not contain
+``,`` ``=`` or ``:`` (events from such ids are refused).
 
 Idempotence: a record is applied only if its envelope ``seq`` is greater than the last seq applied
 from the same producer on the same partition (kept in ``kvm:seqs``), so replaying the topic from any
@@ -52,7 +54,7 @@ from schemas.messages import ChatRequest, KvEvent, LoadReport
 
 log = logging.getLogger(__name__)
 
-BLOCK_PREFIX = "kvm:blk:"
+HOLDERS_KEY = "kvm:holders"
 WORKER_PREFIX = "kvm:wrk:"
 PARENTS_KEY = "kvm:parents"
 COPIES_KEY = "kvm:copies"
@@ -86,11 +88,10 @@ local function each_key(cmd, list)
   end
 end
 each_key('UNLINK', p.unlink)
-for _, h in ipairs(p.bx) do redis.call('DEL', 'kvm:blk:' .. h) end
-for i = 1, #p.hd, 2 do redis.call('HDEL', 'kvm:blk:' .. p.hd[i], p.hd[i + 1]) end
-for i = 1, #p.hs, 3 do redis.call('HSET', 'kvm:blk:' .. p.hs[i], p.hs[i + 1], p.hs[i + 2]) end
+chunked('HSET', 'kvm:holders', p.hs, 2)
+chunked('HDEL', 'kvm:holders', p.hd, 1)
 chunked('HSET', 'kvm:copies', p.cs, 2)
-chunked('HDEL', 'kvm:copies', p.cd, 1)
+chunked('HDEL', 'kvm:copies', p.hd, 1)
 chunked('HSET', 'kvm:parents', p.ps, 2)
 chunked('HDEL', 'kvm:parents', p.pd, 1)
 for _, w in ipairs(p.wx) do redis.call('DEL', 'kvm:wrk:' .. w) end
@@ -108,21 +109,31 @@ return redis.call('INCR', 'kvm:version')
 REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
-def block_key(block_hash: int) -> str:
-    return f"{BLOCK_PREFIX}{block_hash}"
-
-
 def worker_key(worker_id: str) -> str:
     return f"{WORKER_PREFIX}{worker_id}"
 
 
-def encode_holder(tier: str, last_ms: int) -> str:
-    return f"{tier}:{last_ms}"
+def encode_holders(holders: dict[str, tuple[str, int]]) -> str:
+    """``{"w1": ("gpu", 5)}`` → ``"w1=gpu:5"`` (entries by worker id, joined by commas)."""
+    if len(holders) == 1:  # the common case, without the sort
+        for w, (t, ms) in holders.items():
+            return f"{w}={t}:{ms}"
+    return ",".join(f"{w}={t}:{ms}" for w, (t, ms) in sorted(holders.items()))
 
 
-def decode_holder(value: str) -> tuple[str, int]:
-    tier, _, last = value.partition(":")
-    return tier, int(last or 0)
+def decode_holders(value: str) -> dict[str, tuple[str, int]]:
+    out: dict[str, tuple[str, int]] = {}
+    for entry in value.split(","):
+        if not entry:
+            continue
+        w, _, rest = entry.partition("=")
+        tier, _, last = rest.partition(":")
+        out[w] = (tier, int(last or 0))
+    return out
+
+
+def valid_worker_id(worker_id: str) -> bool:
+    return bool(worker_id) and not any(c in worker_id for c in ",=:")
 
 
 def worker_info(report: LoadReport) -> dict[str, Any]:
@@ -147,7 +158,7 @@ def worker_info(report: LoadReport) -> dict[str, Any]:
 class _Dirty:
     """Changes since the last successful flush, coalesced to the latest value per key."""
 
-    blocks: dict[int, dict[str, str | None]] = field(default_factory=dict)  # None: field deleted
+    blocks: set[int] = field(default_factory=set)
     parents: dict[int, int | None] = field(default_factory=dict)
     worker_add: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     worker_rem: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
@@ -231,6 +242,9 @@ class Directory:
         self.max_event_ms = max(self.max_event_ms, when)
         self.stats["events"] += 1
         self._dirty.stats = True
+        if not valid_worker_id(ev.worker_id):
+            log.error("KvEvent from worker id %r refused: ids may not contain , = or :", ev.worker_id)
+            return 0
         if ev.kind == "cleared":
             return self.drop_worker_blocks(ev.worker_id)
         n = 0
@@ -318,7 +332,7 @@ class Directory:
         if holders is None:
             holders = self.blocks[h] = {}
         holders[worker] = (tier, when)
-        self._dirty.blocks.setdefault(h, {})[worker] = encode_holder(tier, when)
+        self._dirty.blocks.add(h)
         wb = self.worker_blocks.get(worker)
         if wb is None:
             wb = self.worker_blocks[worker] = set()
@@ -349,7 +363,7 @@ class Directory:
         if holders is None or worker not in holders:
             return
         del holders[worker]
-        self._dirty.blocks.setdefault(h, {})[worker] = None
+        self._dirty.blocks.add(h)
         if not holders:
             del self.blocks[h]
             if h in self.parents:
@@ -363,22 +377,15 @@ class Directory:
         Lua numbers are doubles and would round 64-bit hashes)."""
         hs: list[str] = []
         hd: list[str] = []
-        bx: list[str] = []
         cs: list[str] = []
-        cd: list[str] = []
-        for h, fields in d.blocks.items():
+        for h in d.blocks:
             sh = str(h)
             holders = self.blocks.get(h)
-            if not holders:
-                bx.append(sh)
-                cd.append(sh)
-                continue
-            for w, v in fields.items():
-                if v is None:
-                    hd += (sh, w)
-                else:
-                    hs += (sh, w, v)
-            cs += (sh, str(len(holders)))
+            if holders:
+                hs += (sh, encode_holders(holders))
+                cs += (sh, str(len(holders)))
+            else:
+                hd.append(sh)
         ps: list[str] = []
         pd: list[str] = []
         for h, par in d.parents.items():
@@ -404,11 +411,9 @@ class Directory:
                 info_set += (w, json.dumps(self.workers[w], sort_keys=True))
         payload = {
             "unlink": unlink or [],
-            "bx": bx,
-            "hd": hd,
             "hs": hs,
+            "hd": hd,
             "cs": cs,
-            "cd": cd,
             "ps": ps,
             "pd": pd,
             "wx": sorted(d.worker_reset),
@@ -481,7 +486,7 @@ class Directory:
             async for k in client.scan_iter(match="kvm:*", count=1000)
         ]
         full = _Dirty()
-        full.blocks = {h: {w: encode_holder(*v) for w, v in hs.items()} for h, hs in self.blocks.items()}
+        full.blocks = set(self.blocks)
         full.parents = dict(self.parents)
         full.worker_reset = set(self.worker_blocks)
         full.workers = set(self.workers)
@@ -498,8 +503,7 @@ class Directory:
 
         raw = await read_raw(client)
         self.__init__()  # type: ignore[misc]  # reset every field before filling it
-        for h, fields in raw.blocks.items():
-            holders = {w: decode_holder(v) for w, v in fields.items()}
+        for h, holders in raw.blocks.items():
             self.blocks[h] = holders
             for w in holders:
                 self.worker_blocks.setdefault(w, set()).add(h)

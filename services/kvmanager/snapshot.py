@@ -1,10 +1,9 @@
 """A consistent read of the whole directory, for a scheduler's (or the manager's own) cold start.
 
-Consistency: the manager INCRs ``kvm:version`` in every flush transaction. The reader WATCHes that
-key, lists the blocks (``HKEYS kvm:copies``), then reads every block hash, the parents, the workers
-and the offsets inside one MULTI/EXEC. If a flush lands in between, EXEC fails (WatchError) and the
-read starts over, so the result is always the state after some whole number of flushes: the blocks
-are exactly those produced by every record before ``offsets``.
+Consistency: every flush of the manager is one Lua call (atomic in Redis), and the reader takes the
+holders, parents, workers, offsets, seqs, stats and version in one MULTI/EXEC, so the result is
+always the state after some whole number of flushes: the blocks are exactly those produced by every
+record before ``offsets``.
 
 A scheduler resumes its KvEvent consumer at ``offsets[KV_EVENTS.name][partition]`` after loading
 ``blocks``; the records from there on are the ones not yet in the snapshot.
@@ -17,22 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
 
 from services.kvmanager.directory import (
-    BLOCK_PREFIX,
-    COPIES_KEY,
+    HOLDERS_KEY,
     OFFSETS_KEY,
     PARENTS_KEY,
     SEQS_KEY,
     STATS_KEY,
     VERSION_KEY,
     WORKERS_KEY,
-    decode_holder,
+    decode_holders,
 )
-from services.kvmanager.errors import SnapshotConflict
-
-_MAX_ATTEMPTS = 50
 
 
 @dataclass
@@ -47,9 +41,9 @@ class DirectorySnapshot:
 
 @dataclass
 class RawDirectory:
-    """Everything in Redis, decoded but unsimplified (holder values keep ``tier:last_ms``)."""
+    """Everything in Redis, decoded; holders keep (tier, last_ms)."""
 
-    blocks: dict[int, dict[str, str]] = field(default_factory=dict)
+    blocks: dict[int, dict[str, tuple[str, int]]] = field(default_factory=dict)
     parents: dict[int, int] = field(default_factory=dict)
     offsets: dict[str, dict[int, int]] = field(default_factory=dict)
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -67,47 +61,31 @@ def _split_offset_key(key: str) -> tuple[str, int]:
     return topic, int(part)
 
 
-async def read_raw(client: aioredis.Redis) -> RawDirectory:
-    """Read the whole directory under WATCH + MULTI (see module docstring)."""
-    for _ in range(_MAX_ATTEMPTS):
-        async with client.pipeline(transaction=True) as pipe:
-            try:
-                await pipe.watch(VERSION_KEY)
-                hashes = [_s(h) for h in await pipe.hkeys(COPIES_KEY)]
-                pipe.multi()
-                for h in hashes:
-                    pipe.hgetall(f"{BLOCK_PREFIX}{h}")
-                pipe.hgetall(PARENTS_KEY)
-                pipe.hgetall(OFFSETS_KEY)
-                pipe.hgetall(WORKERS_KEY)
-                pipe.hgetall(SEQS_KEY)
-                pipe.hgetall(STATS_KEY)
-                pipe.get(VERSION_KEY)
-                res = await pipe.execute()
-            except WatchError:
-                continue
-        raw = RawDirectory()
-        for h, fields in zip(hashes, res[: len(hashes)], strict=True):
-            if fields:
-                raw.blocks[int(h)] = {_s(w): _s(v) for w, v in fields.items()}
-        parents, offsets, workers, seqs, stats, version = res[len(hashes) :]
-        raw.parents = {int(_s(h)): int(_s(p)) for h, p in parents.items()}
-        for k, v in offsets.items():
-            topic, part = _split_offset_key(_s(k))
-            raw.offsets.setdefault(topic, {})[part] = int(_s(v))
-        raw.workers = {_s(w): json.loads(_s(v)) for w, v in workers.items()}
-        for k, v in seqs.items():
-            # Topic names hold no ':' (streams/topics.py); a producer id may.
-            topic, part, producer = _s(k).split(":", 2)
-            raw.seqs[(topic, int(part), producer)] = int(_s(v))
-        raw.stats = {_s(k): int(_s(v)) for k, v in stats.items()}
-        raw.version = int(_s(version)) if version is not None else 0
-        return raw
-    raise SnapshotConflict(f"directory changed during {_MAX_ATTEMPTS} snapshot attempts")
+async def read_raw(redis_client: aioredis.Redis) -> RawDirectory:
+    """Read the whole directory in one MULTI/EXEC (see module docstring)."""
+    async with redis_client.pipeline(transaction=True) as pipe:
+        for key in (HOLDERS_KEY, PARENTS_KEY, OFFSETS_KEY, WORKERS_KEY, SEQS_KEY, STATS_KEY):
+            pipe.hgetall(key)
+        pipe.get(VERSION_KEY)
+        holders, parents, offsets, workers, seqs, stats, version = await pipe.execute()
+    raw = RawDirectory()
+    raw.blocks = {int(_s(h)): decode_holders(_s(v)) for h, v in holders.items()}
+    raw.parents = {int(_s(h)): int(_s(p)) for h, p in parents.items()}
+    for k, v in offsets.items():
+        topic, part = _split_offset_key(_s(k))
+        raw.offsets.setdefault(topic, {})[part] = int(_s(v))
+    raw.workers = {_s(w): json.loads(_s(v)) for w, v in workers.items()}
+    for k, v in seqs.items():
+        # Topic names hold no ':' (streams/topics.py); a producer id may.
+        topic, part, producer = _s(k).split(":", 2)
+        raw.seqs[(topic, int(part), producer)] = int(_s(v))
+    raw.stats = {_s(k): int(_s(v)) for k, v in stats.items()}
+    raw.version = int(_s(version)) if version is not None else 0
+    return raw
 
 
 async def read_snapshot(redis_client: aioredis.Redis) -> DirectorySnapshot:
     """The directory as the scheduler needs it: {hash: {worker: tier}}, parents, offsets, workers."""
     raw = await read_raw(redis_client)
-    blocks = {h: {w: decode_holder(v)[0] for w, v in fields.items()} for h, fields in raw.blocks.items()}
+    blocks = {h: {w: tier for w, (tier, _) in holders.items()} for h, holders in raw.blocks.items()}
     return DirectorySnapshot(blocks=blocks, parents=raw.parents, offsets=raw.offsets, workers=raw.workers)

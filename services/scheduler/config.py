@@ -26,7 +26,7 @@ class SchedulerSettings(BaseSettings):
     max_queue_ms: float = 60_000.0
     fetch_min_blocks: int = 1
     tenant_max_inflight: int | None = None
-    least_loaded_k: int = 4
+    least_loaded_k: int = 2
     no_worker_hold_ms: int = 2000
     max_hold_ms: int = 30_000
     # Fair queueing between tenants: deficit round robin quantum, in prompt tokens.

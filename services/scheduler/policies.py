@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.costmodel import fetch_beats_recompute, promote_ms, recompute_ms, transfer_ms
+from kvmesh.costmodel import promote_ms, recompute_ms, transfer_ms
 from schemas.messages import ChatRequest
 from services.scheduler.view import FleetView, WorkerState
 
@@ -48,7 +48,7 @@ class ScoringParams:
     """The knobs of RouterSettings the policies read."""
 
     fetch_min_blocks: int = 1
-    least_loaded_k: int = 4
+    least_loaded_k: int = 2
 
 
 @dataclass(slots=True)
@@ -120,12 +120,13 @@ def score_worker(
     if peer is not None:
         k = min(peer.counts[0], max_reuse) - cached
         pp = peer.ws.profile
-        if k >= max(fetch_min_blocks, 1) and fetch_beats_recompute(
-            p, k, cached * bs, pp.link_gbps, pp.link_latency_ms
-        ):
-            fetch = k
-            fetch_from = peer.ws.worker_id
-            move += transfer_ms(p, k, pp.link_gbps, pp.link_latency_ms)
+        if k >= max(fetch_min_blocks, 1):
+            # fetch_beats_recompute's comparison, keeping the transfer time for the estimate
+            t = transfer_ms(p, k, pp.link_gbps, pp.link_latency_ms)
+            if t < recompute_ms(p, k * bs, cached * bs):
+                fetch = k
+                fetch_from = peer.ws.worker_id
+                move += t
     reused_tokens = (cached + fetch) * bs
     rec = recompute_ms(p, n_tok - reused_tokens, reused_tokens)
     queue = view.queue_ms(ws, now_ms)

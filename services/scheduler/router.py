@@ -31,7 +31,7 @@ class RouterSettings:
     max_queue_ms: float = 60_000.0  # best worker's wait above this: defer (hold) instead of piling on
     fetch_min_blocks: int = 1  # plan a peer fetch only for at least this many blocks
     tenant_max_inflight: int | None = None  # per-tenant cap on assigned, not yet completed requests
-    least_loaded_k: int = 4  # besides cache holders, how many least-loaded workers are scored
+    least_loaded_k: int = 2  # besides cache holders, how many least-loaded workers are scored
     no_worker_hold_ms: int = 2000  # hold a request this long after arrival waiting for a live worker
     max_hold_ms: int = 30_000  # an overloaded fleet holds a request at most this long, then assigns it
 

@@ -16,6 +16,8 @@ class WorkerSettings(BaseSettings):
     worker_id: str = "worker-0"
     # Engine and KV cache
     model: str = "tiny"
+    # The name clients ask for (OpenAI ``model``); defaults to ``kvmesh-<model>``.
+    served_model_name: str | None = None
     checkpoint: str | None = None
     device: str = "auto"
     dtype: str = "auto"
@@ -49,6 +51,10 @@ class WorkerSettings(BaseSettings):
                 "KVMESH_WORKER_FLEET_SECRET must be set (or KVMESH_WORKER_INSECURE_DEV_TRANSFER=1 for dev)"
             )
         return self
+
+    @property
+    def served_model(self) -> str:
+        return self.served_model_name or f"kvmesh-{self.model}"
 
     def secret_bytes(self) -> bytes:
         if self.fleet_secret is not None and self.fleet_secret.get_secret_value():

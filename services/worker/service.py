@@ -489,7 +489,7 @@ class WorkerService:
             decode_ms_per_step=p.decode_ms_per_step if p else 5.0,
             link_gbps=p.link_gbps if p else 1.0,
             link_latency_ms=p.link_latency_ms if p else 1.0,
-            model=self.settings.model,
+            model=self.settings.served_model,
             max_context=self.engine.max_context,
             started_ms=self._started_ms,
             draining=draining or self._draining,

@@ -110,7 +110,8 @@ async def test_flush_snapshot_and_offsets(redis_settings) -> None:
         assert await client.hgetall(COPIES_KEY) == {b"11": b"2", b"12": b"1", b"13": b"1"}
         assert await client.smembers(worker_key("w2")) == {b"11"}
         assert not await client.exists(worker_key("w3"))
-        assert await client.hget("kvm:blk:13", "w1") == b"dram:120"
+        assert await client.hget("kvm:holders", "13") == b"w1=dram:120"
+        assert await client.hget("kvm:holders", "11") == b"w1=gpu:100,w2=dram:110"
         # A manager restarted from Redis holds the same directory and skips what it already applied.
         again = Directory()
         await again.load(client)

@@ -210,12 +210,12 @@ def test_least_loaded_ranking_in_a_larger_fleet() -> None:
     for i, q in enumerate(queued):
         view.apply_load(load(f"w-{i}", queue_depth=1, queued_prefill_tokens=q))
     router = Router(view, RouterSettings(policy="least_loaded"))
-    a = router.decide(request("r1", prompt(400)), 1000).assignment
+    a = router.decide(request("r1", prompt(500)), 1000).assignment
     assert a is not None and a.worker_id == "w-4"
-    # w-4 now carries 400 pending tokens (~26 ms); the next least loaded is w-1 (500 queued, ~26.3 ms)
+    # w-4: 5.1 ms queued + 27.5 ms pending = 32.6 ms; now w-1 (500 queued, 27.5 ms) is the least loaded
     b = router.decide(request("r2", prompt(400, 1)), 1001).assignment
     assert b is not None and b.worker_id == "w-1"
     view.apply_worker_lost(WorkerLost("w-1", 1000, 1002))
     assert view.least_loaded(3, view.live_workers(1003)) == ["w-4", "w-7", "w-3"]
     kv = Router(view, RouterSettings()).decide(request("r3", prompt(64, 2)), 1003).assignment
-    assert kv is not None and kv.worker_id == "w-7"
+    assert kv is not None and kv.worker_id == "w-4"

@@ -201,8 +201,7 @@ async def test_worker_publishes_load_and_kv_events(fleet: Fleet) -> None:
                     if isinstance(rec.message, LoadReport):
                         seen_load.add(rec.message.worker_id)
                         assert rec.message.transfer_address.startswith("127.0.0.1:")
-                    elif isinstance(rec.message, KvEvent) and rec.message.kind == "stored":
-                        if rec.message.worker_id == "worker-a":
-                            stored.update(rec.message.block_hashes)
+                    elif isinstance(rec.message, KvEvent) and rec.message.worker_id == "worker-a":
+                        stored.update(rec.message.block_hashes if rec.message.kind == "stored" else [])
     finally:
         await consumer.stop()

@@ -20,17 +20,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import xxhash
+
 from kvmesh.errors import KvmeshError
 from services.worker.kv_layout import BlockSink
 from services.worker.transfer import sockets
 from services.worker.transfer.auth import new_nonce, resolve_secret, sign
 from services.worker.transfer.errors import FrameError
 from services.worker.transfer.frames import (
+    HEADER,
     HEADER_SIZE,
+    MAGIC,
     BlockRequest,
     FrameHeader,
     Status,
-    checksum,
     unpack_header,
 )
 from services.worker.transfer.metrics import TransferMetrics
@@ -281,46 +284,44 @@ class BlockClient:
         landed in a slot is garbage in a slot that is never committed.
         """
         n = len(hashes)
-        seg = HEADER_SIZE + nb
-        total = n * seg
-        headers = memoryview(bytearray(HEADER_SIZE * n))
+        hs = HEADER_SIZE
+        seg = hs + nb
+        hbuf = bytearray(hs * n)
+        headers = memoryview(hbuf)
+        unpack_from, xxh, ok = HEADER.unpack_from, xxhash.xxh3_64_intdigest, int(Status.OK)
         pos = 0  # stream bytes received
         j = 0  # next block to verify
         digest: int | None = None  # checksum from block j's header, once parsed
         while j < n:
-            iov: list[memoryview] = []
-            p = pos
-            limit = min(total, pos + _WINDOW_FRAMES * seg)
-            while p < limit:
-                i, w = divmod(p, seg)
-                if w < HEADER_SIZE:
-                    iov.append(headers[i * HEADER_SIZE + w : (i + 1) * HEADER_SIZE])
-                    p = i * seg + HEADER_SIZE
-                else:
-                    iov.append(staging[i * nb + w - HEADER_SIZE : (i + 1) * nb])
-                    p = (i + 1) * seg
+            # iov: the rest of the frame at ``pos``, then whole frames, at most _WINDOW_FRAMES of them.
+            f, w = divmod(pos, seg)
+            if w < hs:
+                iov = [headers[f * hs + w : (f + 1) * hs], staging[f * nb : (f + 1) * nb]]
+            else:
+                iov = [staging[f * nb + w - hs : (f + 1) * nb]]
+            for g in range(f + 1, min(n, f + _WINDOW_FRAMES)):
+                iov.append(headers[g * hs : (g + 1) * hs])
+                iov.append(staging[g * nb : (g + 1) * nb])
             k = await sockets.recv_some(loop, sock, iov)
             pos += k
             while j < n:
                 base = j * seg
                 if digest is None:
-                    if pos < base + HEADER_SIZE:
+                    if pos < base + hs:
                         break
-                    h = _parse(headers[j * HEADER_SIZE : (j + 1) * HEADER_SIZE], j)
-                    if h.status is not Status.OK:
+                    magic, status, _tier, _rsvd, block_hash, size, digest = unpack_from(hbuf, j * hs)
+                    if magic != MAGIC or status != ok:
+                        h = _parse(headers[j * hs : (j + 1) * hs], j)  # raises FrameError for bad magic
                         raise _Fault(*_status_fault(h.status, j, h.block_hash))
-                    if h.block_hash != hashes[j]:
+                    if block_hash != hashes[j]:
                         raise _Fault(
-                            FailReason.PROTOCOL, j, f"frame for {h.block_hash:#x}, asked {hashes[j]:#x}"
+                            FailReason.PROTOCOL, j, f"frame for {block_hash:#x}, asked {hashes[j]:#x}"
                         )
-                    if h.nbytes != nb:
-                        raise _Fault(
-                            FailReason.LAYOUT_MISMATCH, j, f"block of {h.nbytes} bytes, expected {nb}"
-                        )
-                    digest = h.checksum
+                    if size != nb:
+                        raise _Fault(FailReason.LAYOUT_MISMATCH, j, f"block of {size} bytes, expected {nb}")
                 if pos < base + seg:
                     break
-                if checksum(staging[j * nb : (j + 1) * nb]) != digest:
+                if xxh(staging[j * nb : (j + 1) * nb]) != digest:  # = frames.checksum
                     raise _Fault(FailReason.CHECKSUM, j, f"block {hashes[j]:#x} failed its checksum")
                 digest = None
                 j += 1

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from types import TracebackType
@@ -46,8 +47,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS = 4096
 #: Blocks pinned and handed to one sendmsg call; bounded by bytes too so pins stay short-lived.
-_BATCH_BLOCKS = 1024
-_BATCH_BYTES = 32 << 20
+_BATCH_BLOCKS = 256
+_BATCH_BYTES = 8 << 20
 #: Largest filler a link probe may ask for.
 MAX_PROBE_BYTES = 256 << 20
 #: How long a connection may take to send its request (an idle peer must not hold a task forever).
@@ -133,6 +134,12 @@ class BlockServer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._address = None
+
+    def __del__(self) -> None:
+        sock = getattr(self, "_sock", None)  # absent when __init__ raised (e.g. an empty secret)
+        if sock is not None:
+            warnings.warn(f"unclosed BlockServer on {self._address}", ResourceWarning, stacklevel=1)
+            sock.close()
 
     async def __aenter__(self) -> BlockServer:
         await self.start()

@@ -1,0 +1,49 @@
+"""FleetView bookkeeping: the maintained load ranking and pending totals stay exact."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.messages import Completion, WorkerLost
+from services.scheduler.router import Router, RouterSettings
+from services.scheduler.view import FleetView
+from tests.scheduler.factories import load, prompt, request
+
+op = st.tuples(
+    st.sampled_from(["load", "assign", "complete", "lost"]),
+    st.integers(0, 5),
+    st.integers(0, 3000),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(op, max_size=40))
+def test_ranking_and_pending_match_a_recount(ops: list[tuple[str, int, int]]) -> None:
+    view = FleetView()
+    for i in range(6):
+        view.apply_load(load(f"w-{i}", 1000))
+    router = Router(view, RouterSettings(policy="least_loaded", least_loaded_k=2))
+    t = 1000
+    assigned: list[tuple[str, str]] = []
+    for n, (kind, w, x) in enumerate(ops):
+        t += 1
+        worker = f"w-{w}"
+        if kind == "load":
+            view.apply_load(load(worker, t, queue_depth=1, queued_prefill_tokens=x))
+        elif kind == "assign":
+            d = router.decide(request(f"r{n}", prompt(16 + x % 300, n)), t)
+            if d.assignment is not None:
+                assigned.append((d.assignment.request.request_id, d.assignment.worker_id))
+        elif kind == "complete" and assigned:
+            rid, wid = assigned.pop(0)
+            view.note_completion(Completion(rid, "s", wid, "stop", 1, 1))
+        elif kind == "lost":
+            view.apply_worker_lost(WorkerLost(worker, t - 1, t))
+    for ws in view.workers.values():
+        assert abs(ws.pending_total_ms - sum(p.cost_ms for p in ws.pending)) < 1e-6
+        assert view.load_key[ws.worker_id] == ws.base_queue_ms + ws.pending_total_ms
+    assert set(view.load_key) == set(view.workers)
+    live = view.live_workers(t)
+    expect = sorted(live, key=lambda w: (view.load_key[w], w))
+    assert view.least_loaded(3, live) == expect[:3]

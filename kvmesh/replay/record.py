@@ -50,12 +50,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def kafka_settings(bootstrap: str | None, topic_prefix: str | None) -> KafkaSettings:
     """KafkaSettings from the environment, with the command line's bootstrap / prefix on top."""
-    overrides: dict[str, str] = {}
-    if bootstrap:
-        overrides["bootstrap_servers"] = bootstrap
-    if topic_prefix is not None:
-        overrides["topic_prefix"] = topic_prefix
-    return KafkaSettings(**overrides)
+    base = KafkaSettings()
+    return base.model_copy(
+        update={
+            "bootstrap_servers": bootstrap or base.bootstrap_servers,
+            "topic_prefix": base.topic_prefix if topic_prefix is None else topic_prefix,
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

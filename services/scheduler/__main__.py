@@ -56,12 +56,12 @@ async def _serve(settings: SchedulerSettings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         settings = build_settings(args)
     except ValueError as exc:
         sys.stderr.write(f"kvmesh scheduler: bad settings: {exc}\n")
         return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(_serve(settings))
     return 0
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streams.settings import KafkaSettings
@@ -11,7 +11,9 @@ from streams.settings import KafkaSettings
 class WorkerSettings(BaseSettings):
     """Everything a worker needs: engine shape, KV tiers, data plane and Kafka."""
 
-    model_config = SettingsConfigDict(env_prefix="KVMESH_WORKER_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="KVMESH_WORKER_", env_nested_delimiter="__", extra="ignore", populate_by_name=True
+    )
 
     worker_id: str = "worker-0"
     # Engine and KV cache
@@ -33,8 +35,17 @@ class WorkerSettings(BaseSettings):
     # Data plane: the block server binds here and is announced in every LoadReport.
     transfer_host: str = "127.0.0.1"
     transfer_port: int = 0
-    fleet_secret: SecretStr | None = None
-    insecure_dev_transfer: bool = False
+    # Either name works: the fleet-wide KVMESH_FLEET_SECRET or this worker's own.
+    fleet_secret: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("KVMESH_WORKER_FLEET_SECRET", "KVMESH_FLEET_SECRET", "fleet_secret"),
+    )
+    insecure_dev_transfer: bool = Field(
+        default=False,
+        validation_alias=AliasChoices(
+            "KVMESH_WORKER_INSECURE_DEV_TRANSFER", "KVMESH_INSECURE_DEV_TRANSFER", "insecure_dev_transfer"
+        ),
+    )
     fetch_timeout_s: float = 5.0
     # Reporting
     load_interval_ms: int = 500

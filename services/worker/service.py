@@ -120,7 +120,7 @@ class WorkerService:
             return
         self._started = True
         from services.worker.engine import Engine, EngineConfig
-        from services.worker.transfer import BlockClient, BlockServer
+        from services.worker.transfer import BlockClient, BlockServer, TransferMetrics
 
         s = self.settings
         cfg = EngineConfig(
@@ -142,8 +142,13 @@ class WorkerService:
         self.engine = await asyncio.to_thread(Engine, cfg)
         if s.calibrate:
             self._profile = await asyncio.to_thread(self.engine.calibrate)
+        self.transfer_metrics = TransferMetrics()
         self._server = BlockServer(
-            self.engine.kv, host=s.transfer_host, port=s.transfer_port, secret=s.secret_bytes()
+            self.engine.kv,
+            host=s.transfer_host,
+            port=s.transfer_port,
+            secret=s.secret_bytes(),
+            metrics=self.transfer_metrics,
         )
         self.transfer_address = await self._server.start()
         if s.calibrate and self._profile is not None:
@@ -153,7 +158,9 @@ class WorkerService:
                 self._profile = dataclasses.replace(
                     self._profile, link_gbps=link.link_gbps, link_latency_ms=link.latency_ms
                 )
-        self._client = BlockClient(s.secret_bytes(), timeout_s=s.fetch_timeout_s)
+        self._client = BlockClient(
+            s.secret_bytes(), timeout_s=s.fetch_timeout_s, metrics=self.transfer_metrics
+        )
         self._started_ms = now_ms()
 
         self._producer = TypedProducer(s.kafka, producer_id=self.worker_id)

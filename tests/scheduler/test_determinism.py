@@ -10,7 +10,8 @@ import pytest
 from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.router import POLICIES, Decision, Router, RouterSettings
 from services.scheduler.view import FleetView
-from tests.scheduler.factories import load, prompt, request, stored
+
+from .factories import load, prompt, request, stored
 
 Event = ChatRequest | KvEvent | LoadReport | WorkerLost | Completion
 

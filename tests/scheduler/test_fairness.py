@@ -6,7 +6,8 @@ from schemas.messages import Completion
 from services.scheduler.fairness import FairDispatcher
 from services.scheduler.router import Router, RouterSettings
 from services.scheduler.view import FleetView
-from tests.scheduler.factories import load, prompt, request
+
+from .factories import load, prompt, request
 
 
 def fleet() -> FleetView:

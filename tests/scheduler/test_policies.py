@@ -8,7 +8,8 @@ from schemas.messages import WorkerLost
 from services.scheduler.errors import UnknownPolicy
 from services.scheduler.router import POLICIES, Router, RouterSettings
 from services.scheduler.view import FleetView
-from tests.scheduler.factories import load, prompt, request, stored
+
+from .factories import load, prompt, request, stored
 
 
 def fleet(n: int = 3, **loads: dict) -> FleetView:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from schemas.messages import Completion, KvEvent, WorkerLost
 from services.scheduler.router import Router, RouterSettings
 from services.scheduler.view import FleetView, ViewSettings
-from tests.scheduler.factories import load, prompt, request, stored
+
+from .factories import load, prompt, request, stored
 
 
 def two_workers() -> FleetView:

@@ -17,7 +17,8 @@ from streams.consumer import TypedConsumer
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings
 from streams.topics import ASSIGNMENTS, KV_EVENTS, LOAD, REPLIES, REQUESTS
-from tests.scheduler.factories import load, prompt, request, stored
+
+from .factories import load, prompt, request, stored
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from schemas.messages import Completion, WorkerLost
 from services.scheduler.router import Router, RouterSettings
 from services.scheduler.view import FleetView
-from tests.scheduler.factories import load, prompt, request
+
+from .factories import load, prompt, request
 
 op = st.tuples(
     st.sampled_from(["load", "assign", "complete", "lost"]),

@@ -333,7 +333,7 @@ class BlockClient:
         # Every block arrived; the END frame is a courtesy we don't wait for.
 
 
-def _parse(header: bytearray, index: int) -> FrameHeader:
+def _parse(header: bytes | bytearray | memoryview, index: int) -> FrameHeader:
     try:
         return unpack_header(header)
     except FrameError as exc:

@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lag-ms", type=float, default=10.0, help="worker -> scheduler message lag")
     p.add_argument("--heartbeat-ms", type=float, default=2000.0)
     p.add_argument(
+        "--overlap-fetch", action="store_true", help="what-if: workers queue requests while pulling"
+    )
+    p.add_argument(
         "--router", action="append", default=[], metavar="KEY=VALUE", help="RouterSettings override"
     )
     p.add_argument("--users", type=int, default=32, help="multiturn: conversations")
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 block_size=block_size,
                 lag_ms=args.lag_ms,
                 heartbeat_ms=args.heartbeat_ms,
+                overlap_fetch=args.overlap_fetch,
                 router=router,
             )
             started = time.perf_counter()
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": args.profile,
         "block_size": block_size,
         "lag_ms": args.lag_ms,
+        "overlap_fetch": args.overlap_fetch,
         "policies": summaries,
     }
     if recorder is not None:

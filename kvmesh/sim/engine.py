@@ -77,6 +77,7 @@ class SimConfig:
     lag_ms: float = 10.0
     heartbeat_ms: float = 2000.0
     retry_ms: float = 50.0
+    overlap_fetch: bool = False  # what-if: a worker queues a request while pulling its blocks
     router: dict[str, Any] = field(default_factory=dict)
     view: ViewSettings = field(default_factory=ViewSettings)
 
@@ -123,7 +124,15 @@ class Simulation:
         self.peers: dict[str, SimWorker] = {}
         width = len(str(config.workers - 1))
         self.workers = [
-            SimWorker(i, f"w{i:0{width}d}", self.profile, self._emit, self._schedule, self.peers)
+            SimWorker(
+                i,
+                f"w{i:0{width}d}",
+                self.profile,
+                self._emit,
+                self._schedule,
+                self.peers,
+                config.overlap_fetch,
+            )
             for i in range(config.workers)
         ]
         self.peers.update((w.worker_id, w) for w in self.workers)

@@ -13,9 +13,10 @@ Like the live worker (services/worker/service.py), a fetch happens when the assi
 the request joins the engine's queue, and only extends the prefix the worker already holds; pulls of one
 worker share its link one at a time, while its GPU keeps computing. The worker serves what it really
 holds, not what the scheduler believed: a planned block the peer no longer has ends the pull there, and
-the prefill reuses the longest local prefix at the time it starts and recomputes the rest. After a
-prefill every full prompt block is written to the GPU tier; cache changes go out as KvEvents, and a
-LoadReport after every iteration.
+the prefill reuses the longest local prefix at the time it starts and recomputes the rest. With
+``overlap_fetch`` the request joins the queue at once and is skipped until its pull lands (a what-if
+for a worker that overlaps pulls with queueing). After a prefill every full prompt block is written
+to the GPU tier; cache changes go out as KvEvents, and a LoadReport after every iteration.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Job:
     prefill_ms: float = 0.0
     fetch_range: tuple[int, int] = (0, 0)  # blocks [lo, hi) pulled from peers before queueing
     fetched_blocks: int = 0
+    ready: bool = True  # False while its pull is in flight (overlap_fetch only)
 
 
 class SimWorker:
@@ -81,6 +83,7 @@ class SimWorker:
         emit: Emit,
         schedule: Schedule,
         peers: dict[str, SimWorker],
+        overlap_fetch: bool = False,
     ) -> None:
         self.index = index
         self.worker_id = worker_id
@@ -96,6 +99,8 @@ class SimWorker:
         self._emit = emit
         self._schedule = schedule
         self._link_free = 0.0
+        # False: pull, then queue (the live worker today). True: queue at once, start when pulled.
+        self._overlap_fetch = overlap_fetch
         self._queue: deque[Job] = deque()
         self._decoding: list[Job] = []
         self._prefilling: Job | None = None
@@ -160,7 +165,9 @@ class SimWorker:
             done = self._plan_fetch(job, now_ms)
             if done is not None:
                 self._schedule(done, self, job)
-                return
+                if not self._overlap_fetch:
+                    return
+                job.ready = False
         self._enqueue(job, now_ms)
 
     def _plan_fetch(self, job: Job, now_ms: float) -> float | None:
@@ -201,10 +208,18 @@ class SimWorker:
         hashes = job.request.block_hashes
         self._store(hashes[lo:hi], [hashes[i - 1] if i else 0 for i in range(lo, hi)], job, now_ms)
         job.fetched_blocks = hi - lo
-        self._enqueue(job, now_ms)
+        if job.ready:
+            self._enqueue(job, now_ms)
+        else:
+            job.ready = True
+            self._wake(now_ms)
 
     def _enqueue(self, job: Job, now_ms: float) -> None:
         self._queue.append(job)
+        self._wake(now_ms)
+
+    def _wake(self, now_ms: float) -> None:
+        """A job became ready: start it now if idle, or at the next decode step boundary."""
         if now_ms >= self.busy_until:
             self._start(now_ms)
             return
@@ -233,8 +248,13 @@ class SimWorker:
         self.report(now_ms)
 
     def _start(self, now_ms: float) -> None:
-        if self._queue:
-            job = self._queue.popleft()
+        job = None
+        for i, j in enumerate(self._queue):  # FCFS among jobs whose pulled blocks have arrived
+            if j.ready:
+                job = j
+                del self._queue[i]
+                break
+        if job is not None:
             self._queued_tokens -= job.queued_tokens
             duration = self._serve(job)
             if self._decoding:

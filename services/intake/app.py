@@ -38,6 +38,10 @@ def create_app(settings: IntakeSettings | None = None, *, tokenizer: Tokenizer |
 
     @app.exception_handler(IntakeError)
     async def _intake_error(request: Request, exc: IntakeError) -> JSONResponse:
+        # Every refused request is counted here by its code; errors inside a stream count in the stream.
+        service = getattr(request.app.state, "service", None)
+        if service is not None:
+            service.metrics.requests.labels(exc.code or "error").inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     for router in ROUTERS:

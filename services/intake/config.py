@@ -26,21 +26,23 @@ class IntakeSettings(BaseSettings):
     port: int = 8000
     model_name: str = "kvmesh-tiny"
     tokenizer_path: str | None = None
-    block_size: int = Field(DEFAULT_BLOCK_SIZE, gt=0)
-    max_context: int = Field(4096, gt=0)
-    default_max_tokens: int = Field(256, gt=0)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0)
+    max_context: int = Field(default=4096, gt=0)
+    default_max_tokens: int = Field(default=256, gt=0)
     default_temperature: float = 1.0
-    max_inflight: int = Field(64, gt=0)
+    max_inflight: int = Field(default=64, gt=0)
     retry_after_s: int = 1
-    request_timeout_s: float = Field(60.0, gt=0)
+    request_timeout_s: float = Field(default=60.0, gt=0)
     tenant_max_prompt_tokens: dict[str, int] = Field(default_factory=dict)
     # Explicit and empty by default: blocks are shared across tenants only for prompts named here.
     public_prefixes: dict[str, str] = Field(default_factory=dict)
     # Reply topic of this intake (catalog name); intakes may share the default one.
     reply_topic: str = "kvmesh.replies"
-    api_keys: SecretStr | None = Field(None, validation_alias=AliasChoices("api_keys", "KVMESH_API_KEYS"))
+    api_keys: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("api_keys", "KVMESH_API_KEYS")
+    )
     api_keys_file: str | None = Field(
-        None, validation_alias=AliasChoices("api_keys_file", "KVMESH_API_KEYS_FILE")
+        default=None, validation_alias=AliasChoices("api_keys_file", "KVMESH_API_KEYS_FILE")
     )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
 

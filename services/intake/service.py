@@ -74,7 +74,6 @@ class IntakeService:
     def admit(self) -> Iterator[None]:
         """Hold one in-flight slot, or raise Overloaded (429 with Retry-After) when none is free."""
         if self.in_flight >= self.settings.max_inflight:
-            self.metrics.requests.labels("overloaded").inc()
             raise Overloaded(
                 f"Too many requests in flight on this intake (limit {self.settings.max_inflight}).",
                 headers={"Retry-After": str(self.settings.retry_after_s)},

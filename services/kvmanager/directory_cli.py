@@ -107,7 +107,7 @@ async def collect(url: str, prefix: list[int]) -> dict[str, Any]:
         raw = await client.hgetall(STATS_KEY)
     finally:
         await client.aclose()
-    stats = {k.decode(): int(v) for k, v in raw.items()}
+    stats = {(k.decode() if isinstance(k, bytes) else str(k)): int(v) for k, v in raw.items()}
     return report(snap, stats, prefix)
 
 

@@ -12,12 +12,14 @@ A scheduler resumes its KvEvent consumer at ``offsets[KV_EVENTS.name][partition]
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from services.kvmanager.directory import (
+    COPIES_KEY,
     HOLDERS_KEY,
     OFFSETS_KEY,
     PARENTS_KEY,
@@ -77,8 +79,8 @@ async def read_raw(redis_client: aioredis.Redis) -> RawDirectory:
     raw.workers = {_s(w): json.loads(_s(v)) for w, v in workers.items()}
     for k, v in seqs.items():
         # Topic names hold no ':' (streams/topics.py); a producer id may.
-        topic, part, producer = _s(k).split(":", 2)
-        raw.seqs[(topic, int(part), producer)] = int(_s(v))
+        seq_topic, seq_part, producer = _s(k).split(":", 2)
+        raw.seqs[(seq_topic, int(seq_part), producer)] = int(_s(v))
     raw.stats = {_s(k): int(_s(v)) for k, v in stats.items()}
     raw.version = int(_s(version)) if version is not None else 0
     return raw
@@ -89,3 +91,16 @@ async def read_snapshot(redis_client: aioredis.Redis) -> DirectorySnapshot:
     raw = await read_raw(redis_client)
     blocks = {h: {w: tier for w, (tier, _) in holders.items()} for h, holders in raw.blocks.items()}
     return DirectorySnapshot(blocks=blocks, parents=raw.parents, offsets=raw.offsets, workers=raw.workers)
+
+
+async def fleet_copies(redis_client: aioredis.Redis, block_hashes: Sequence[int]) -> list[int]:
+    """How many workers of the fleet hold each block (0 if none), in the order asked; one HMGET.
+
+    The contract for a worker's eviction: before dropping a block from its last tier, a worker asks
+    this; if the answer is 1 or less (only itself), it demotes the block to disk instead of dropping
+    it, so the fleet keeps its last copy. Counts lag the worker's own KvEvents by one manager flush.
+    """
+    if not block_hashes:
+        return []
+    values = await redis_client.hmget(COPIES_KEY, [str(h) for h in block_hashes])
+    return [int(_s(v)) if v is not None else 0 for v in values]

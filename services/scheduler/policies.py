@@ -57,16 +57,21 @@ class _Holder:
     counts: list[int]  # [leading blocks, in gpu, in dram, in disk]
 
 
-def _is_live(view: FleetView, ws: WorkerState, now_ms: int, model: str) -> bool:
+def _is_live(view: FleetView, ws: WorkerState, now_ms: int, model: str, as_source: bool = False) -> bool:
+    """Fresh reports and the request's model; a draining worker takes no new requests but may still
+    be a fetch source (``as_source``): its block server keeps serving while its sessions move away."""
     return (
         ws.report_ms >= now_ms - view.settings.worker_timeout_ms
-        and not ws.report.draining
+        and (as_source or not ws.report.draining)
         and ws.report.model == model
     )
 
 
-def _holders(view: FleetView, req: ChatRequest, now_ms: int) -> list[_Holder]:
-    """Live workers holding ≥ 1 leading block of the prompt, longest prefix first (ties by id)."""
+def _holders(view: FleetView, req: ChatRequest, now_ms: int, as_source: bool = False) -> list[_Holder]:
+    """Live workers holding ≥ 1 leading block of the prompt, longest prefix first (ties by id).
+
+    With ``as_source``, draining workers are included (as peers to fetch from, never as candidates).
+    """
     if req.block_size != view.block_size or not req.block_hashes:
         return []
     index = view.index
@@ -74,7 +79,7 @@ def _holders(view: FleetView, req: ChatRequest, now_ms: int) -> list[_Holder]:
     out: list[_Holder] = []
     for w, counts in index.match_codes(req.block_hashes).items():
         ws = workers.get(index.worker_name(w))
-        if ws is not None and _is_live(view, ws, now_ms, req.model):
+        if ws is not None and _is_live(view, ws, now_ms, req.model, as_source):
             out.append(_Holder(ws, counts))
     out.sort(key=lambda h: (-h.counts[0], h.ws.worker_id))
     return out
@@ -182,8 +187,8 @@ def kvmesh(
     view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
 ) -> list[CandidateScore]:
     """Least estimated time to first token, counting queue, promotion, peer fetch and recompute."""
-    holders = _holders(view, req, now_ms)
-    ids = {h.ws.worker_id for h in holders}
+    holders = _holders(view, req, now_ms, as_source=True)
+    ids = {h.ws.worker_id for h in holders if not h.ws.report.draining}
     ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
     out = _score_set(view, req, now_ms, sorted(ids), holders, params, allow_fetch=True)
     out.sort(key=_by_ttft)

@@ -60,6 +60,11 @@ class SchedulerStats:
     rejected: int = 0
     cancels_forwarded: int = 0
     cancelled_queued: int = 0
+    redispatched: int = 0
+
+
+#: Assignments remembered for re-dispatch when their worker is lost (oldest forgotten first).
+MAX_TRACKED_INFLIGHT = 100_000
 
 
 class SchedulerService:
@@ -83,6 +88,9 @@ class SchedulerService:
         self._task: asyncio.Task[None] | None = None
         self._reply_topics: dict[str, str] = {}  # queued request → its reply topic
         self._seen_in_snapshot: dict[str, int] = {}  # worker → last_seen_ms in the snapshot
+        # Assigned but not completed: re-decided if their worker is declared lost, so a worker that
+        # vanishes mid-request loses no request (bounded: oldest dropped past max_tracked_inflight).
+        self._assigned: dict[str, Assignment] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -241,8 +249,23 @@ class SchedulerService:
                 return  # the snapshot already holds what the worker stored after coming back
             self.view.apply_worker_lost(msg)
             self._advance(msg.declared_ms)
+            self._redispatch_from(msg.worker_id)
         elif isinstance(msg, Completion):
             self.view.note_completion(msg)
+            self._assigned.pop(msg.request_id, None)
+
+    def _redispatch_from(self, worker_id: str) -> None:
+        """Queue again every request assigned to a lost worker that never completed."""
+        orphans = [a for a in self._assigned.values() if a.worker_id == worker_id]
+        for a in orphans:
+            del self._assigned[a.request.request_id]
+            self._reply_topics[a.request.request_id] = a.request.reply_topic
+            self.dispatcher.submit(a.request)
+            self.stats.redispatched += 1
+        if orphans:
+            log.warning(
+                "worker %s lost with %d requests in flight: re-deciding them", worker_id, len(orphans)
+            )
 
     async def _on_request(self, record: Record) -> None:
         msg = record.message
@@ -282,6 +305,10 @@ class SchedulerService:
             if d.assignment is not None:
                 a: Assignment = d.assignment
                 self._reply_topics.pop(a.request.request_id, None)
+                if self.settings.track_completions:
+                    self._assigned[a.request.request_id] = a
+                    while len(self._assigned) > MAX_TRACKED_INFLIGHT:
+                        del self._assigned[next(iter(self._assigned))]
                 futures.append(await producer.send(ASSIGNMENTS, a, wait=False))
                 self.stats.assigned += 1
             elif d.rejection is not None:

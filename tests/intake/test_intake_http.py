@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -30,11 +31,16 @@ def _sse_events(text: str) -> list[Any]:
 
 async def test_non_stream_completion(kafka_settings: KafkaSettings, echo_worker: EchoWorker) -> None:
     async with intake(make_settings(kafka_settings)) as (_, http):
-        r = await http.post("/v1/chat/completions", json=chat_body("hello world, this is kvmesh"), headers=auth())
+        r = await http.post(
+            "/v1/chat/completions", json=chat_body("hello world, this is kvmesh"), headers=auth()
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "chat.completion"
-        assert body["choices"][0]["message"] == {"role": "assistant", "content": "echo:hello world, this is kvmesh"}
+        assert body["choices"][0]["message"] == {
+            "role": "assistant",
+            "content": "echo:hello world, this is kvmesh",
+        }
         assert body["choices"][0]["finish_reason"] == "stop"
         req = echo_worker.requests[-1]
         prompt = len(req.token_ids)
@@ -83,7 +89,10 @@ async def test_non_stream_completion(kafka_settings: KafkaSettings, echo_worker:
 async def test_stream_completion_with_usage(kafka_settings: KafkaSettings, echo_worker: EchoWorker) -> None:
     async with intake(make_settings(kafka_settings)) as (_, http):
         body = chat_body(
-            "stream me please, many tokens", stream=True, stream_options={"include_usage": True}, max_completion_tokens=9
+            "stream me please, many tokens",
+            stream=True,
+            stream_options={"include_usage": True},
+            max_completion_tokens=9,
         )
         r = await http.post("/v1/chat/completions", json=body, headers=auth())
         assert r.status_code == 200, r.text
@@ -106,7 +115,11 @@ async def test_stream_completion_with_usage(kafka_settings: KafkaSettings, echo_
         assert echo_worker.requests[-1].max_tokens == 9
 
         # Without include_usage there is no usage chunk, but the finish chunk still says how it was served.
-        r = await http.post("/v1/chat/completions", json=chat_body("again, and a bit more to stream", stream=True), headers=auth())
+        r = await http.post(
+            "/v1/chat/completions",
+            json=chat_body("again, and a bit more to stream", stream=True),
+            headers=auth(),
+        )
         events = _sse_events(r.text)
         assert events[-1] == "[DONE]"
         assert all("usage" not in e for e in events[:-1])
@@ -226,6 +239,9 @@ async def test_backpressure_429(kafka_settings: KafkaSettings, echo_worker: Echo
         assert r.status_code == 429
         assert r.headers["Retry-After"] == "3"
         assert r.json()["error"]["type"] == "rate_limit_error"
+        metrics = (await http.get("/metrics")).text
+        assert 'kvmesh_intake_requests_total{outcome="too_many_requests"} 1.0' in metrics
+        assert "kvmesh_intake_in_flight 1.0" in metrics
         held.cancel()
         with pytest.raises(asyncio.CancelledError):
             await held
@@ -245,7 +261,7 @@ async def test_stream_disconnect_cancels_in_fleet(
     app = create_app(make_settings(kafka_settings))
     body = json.dumps(chat_body("slow story", stream=True)).encode()
     first_body = asyncio.Event()
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
     received = [0]
 
     async def receive() -> dict[str, Any]:
@@ -255,7 +271,7 @@ async def test_stream_disconnect_cancels_in_fleet(
         await first_body.wait()  # the disconnect listener: the client leaves after the first chunk
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
         if message["type"] == "http.response.body" and message.get("body"):
             first_body.set()

@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.kvmanager.directory import COPIES_KEY, Directory, worker_key
-from services.kvmanager.snapshot import read_raw, read_snapshot
+from services.kvmanager.snapshot import fleet_copies, read_raw, read_snapshot
 from streams.topics import KV_EVENTS, LOAD
 
 from .helpers import cleared, feed, load, moved, removed, stored
@@ -108,6 +108,7 @@ async def test_flush_snapshot_and_offsets(redis_settings) -> None:
         assert snap.workers["w1"]["last_seen_ms"] == 140
         assert snap.workers["w1"]["transfer_address"] == "127.0.0.1:9001"
         assert await client.hgetall(COPIES_KEY) == {b"11": b"2", b"12": b"1", b"13": b"1"}
+        assert await fleet_copies(client, [13, 11, 21, 12]) == [1, 2, 0, 1]
         assert await client.smembers(worker_key("w2")) == {b"11"}
         assert not await client.exists(worker_key("w3"))
         assert await client.hget("kvm:holders", "13") == b"w1=dram:120"

@@ -228,3 +228,41 @@ async def test_killed_worker_process_is_declared_lost(kafka_settings, redis_sett
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_hot_prefix_and_returning_session_publish_control_messages(
+    kafka_settings, redis_settings
+) -> None:
+    cfg = settings(kafka_settings, redis_settings, hot_min_sessions=4, max_replicas=2)
+    setup = [
+        load("w1", 1000, queued=1000),
+        load("w2", 1000, queued=50),
+        load("w3", 1000, queued=10),
+        stored("w1", [1, 2, 3], ms=1001),
+    ]
+    requests = [request(f"s{i}", f"r{i}", [1, 2, 3], ms=1100 + i) for i in range(4)]
+    requests.append(request("s0", "r0-turn2", [1, 2, 3], ms=1200))
+    control = TypedConsumer(kafka_settings, [CONTROL], None, from_beginning=True)
+    async with TypedProducer(kafka_settings, "test-producer") as producer:
+        await publish(producer, setup)
+        async with KvManagerService(cfg) as svc, control:
+
+            async def setup_seen() -> bool:
+                return svc.directory.holders(3) == {"w1": "gpu"} and len(svc.directory.workers) == 3
+
+            await wait_for(setup_seen)
+            await publish(producer, requests)
+            got: list[Any] = []
+
+            async def both_published() -> bool:
+                got.extend(await control.getmany(timeout_ms=100))
+                kinds = {type(r.message).__name__ for r in got}
+                return {"ReplicateCommand", "RetainHint"} <= kinds
+
+            await wait_for(both_published)
+    reps = [r for r in got if type(r.message).__name__ == "ReplicateCommand"]
+    hints = [r for r in got if type(r.message).__name__ == "RetainHint"]
+    # Two copies wanted (4 sessions), one exists: the least loaded worker w3 pulls the run from w1.
+    assert len(reps) == 1 and reps[0].key == "w3"
+    assert (reps[0].message.source_worker, reps[0].message.block_hashes) == ("w1", [1, 2, 3])
+    assert [(h.key, h.message.session_id, h.message.block_hashes) for h in hints] == [("w1", "s0", [1, 2, 3])]

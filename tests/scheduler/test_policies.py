@@ -220,3 +220,17 @@ def test_least_loaded_ranking_in_a_larger_fleet() -> None:
     assert view.least_loaded(3, view.live_workers(1003)) == ["w-4", "w-7", "w-3"]
     kv = Router(view, RouterSettings()).decide(request("r3", prompt(64, 2)), 1003).assignment
     assert kv is not None and kv.worker_id == "w-4"
+
+
+def test_draining_holder_is_a_fetch_source_but_never_a_candidate() -> None:
+    view = fleet(2, w_0={"draining": True})
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes))
+    for policy in ("kvmesh", "prefix_aware", "least_loaded", "round_robin"):
+        d = Router(view, RouterSettings(policy=policy)).decide(req, 1000)
+        assert d.assignment is not None and d.assignment.worker_id == "w-1", policy
+        assert all(c.worker_id != "w-0" for c in d.candidates), policy
+    d = Router(view, RouterSettings(policy="kvmesh")).decide(request("r2", req.token_ids), 1000)
+    assert d.assignment is not None
+    assert [p.peer_worker for p in d.assignment.fetch] == ["w-0"]
+    assert d.assignment.fetch[0].block_hashes == req.block_hashes[:6]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from kvmesh.costmodel import PROFILES, recompute_ms
 from kvmesh.sim.worker import SimWorker
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent
@@ -13,12 +15,12 @@ PROFILE = dataclasses.replace(PROFILES["h100-llama3-8b"], gpu_blocks=64, dram_bl
 
 
 class _Harness:
-    def __init__(self) -> None:
+    def __init__(self, overlap_fetch: bool = False) -> None:
         self.sent: list[tuple[object, float]] = []
         self.calls: list[tuple[float, SimWorker, object]] = []
         self.peers: dict[str, SimWorker] = {}
         for i in range(2):
-            w = SimWorker(i, f"w{i}", PROFILE, self._emit, self._schedule, self.peers)
+            w = SimWorker(i, f"w{i}", PROFILE, self._emit, self._schedule, self.peers, overlap_fetch)
             self.peers[w.worker_id] = w
 
     def _emit(self, msg: object, t: float) -> None:
@@ -48,8 +50,9 @@ def _assign(req: ChatRequest, worker: str, fetch: list[FetchPlan]) -> Assignment
     return Assignment(req, worker, 0, len(req.token_ids), Estimate(0, 0, 0, 0, "kvmesh"), fetch)
 
 
-def test_fetch_stops_at_first_block_the_peer_lacks() -> None:
-    h = _Harness()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fetch_stops_at_first_block_the_peer_lacks(overlap: bool) -> None:
+    h = _Harness(overlap)
     w0, w1 = h.peers["w0"], h.peers["w1"]
     req = _request(8, "r1")
     # w1 holds only the first 5 blocks of the prompt

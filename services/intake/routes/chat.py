@@ -147,6 +147,7 @@ async def chat_completions(request: Request, service: ServiceDep) -> Response:
     slot = contextlib.ExitStack()
     slot.enter_context(service.admit())
     handle: RequestHandle | None = None
+    streaming = False
     try:
         deadline = _Deadline(service.settings.request_timeout_s)
         handle = await service.submit(req)
@@ -154,15 +155,13 @@ async def chat_completions(request: Request, service: ServiceDep) -> Response:
         first = await deadline.next_chunk(it, req.request_id)
         if body.stream:
             response = _stream(service, body, req, handle, it, first, deadline, slot)
-            handle = None  # the streaming body owns the handle and the slot from here on
+            streaming = True  # the streaming body owns the handle and the slot from here on
             return response
         return await _complete(service, body, req, handle, it, first, deadline)
-    except IntakeError as exc:
-        service.metrics.requests.labels(exc.code or "error").inc()
-        raise
     finally:
-        if handle is not None:
-            await _cancel_shielded(handle, "timeout_or_error")
+        if not streaming:
+            if handle is not None:
+                await _cancel_shielded(handle, "timeout_or_error")
             slot.close()
 
 

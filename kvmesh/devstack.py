@@ -164,7 +164,7 @@ class DevStack:
                     "KVMESH_INTAKE_HOST": s.intake_host,
                     "KVMESH_INTAKE_PORT": str(port),
                     "PYTHONUNBUFFERED": "1",
-                "KVMESH_LOG_LEVEL": s.log_level,
+                    "KVMESH_LOG_LEVEL": s.log_level,
                     # Two cores shared by several torch processes: one thread each avoids oversubscription.
                     "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
                 }
@@ -223,10 +223,9 @@ class DevStack:
 
     async def _wait_workers(self, timeout_s: float) -> None:
         """Ready when every worker has published a LoadReport (so the scheduler can route to it)."""
-        from streams.consumer import TypedConsumer
-
         from schemas.messages import LoadReport
         from streams import topics
+        from streams.consumer import TypedConsumer
 
         seen: set[str] = set()
         consumer = TypedConsumer(self.kafka, [topics.LOAD], group_id=None, from_beginning=True, dedup=False)

@@ -28,10 +28,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 
 from streams.settings import KafkaSettings, RedisSettings
+
+if TYPE_CHECKING:
+    from streams.embedded import EmbeddedBroker, EmbeddedRedis
 
 log = logging.getLogger("kvmesh.dev")
 
@@ -57,7 +61,9 @@ class DevStackSettings:
 class _Child:
     """One service process whose output is relayed with a prefix."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], sink: Callable[[str], None]) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], sink: Callable[[str], object]
+    ) -> None:
         self.name = name
         self.proc = subprocess.Popen(
             argv,
@@ -73,7 +79,7 @@ class _Child:
         self._thread = threading.Thread(target=self._relay, args=(sink,), daemon=True, name=f"relay-{name}")
         self._thread.start()
 
-    def _relay(self, sink: Callable[[str], None]) -> None:
+    def _relay(self, sink: Callable[[str], object]) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             line = line.rstrip("\n")
@@ -110,9 +116,9 @@ class DevStack:
         self, settings: DevStackSettings | None = None, sink: Callable[[str], None] | None = None
     ) -> None:
         self.settings = settings or DevStackSettings()
-        self._sink = sink or (lambda line: sys.stderr.write(line + "\n"))
-        self.broker = None  # type: ignore[var-annotated]
-        self.redis = None  # type: ignore[var-annotated]
+        self._sink: Callable[[str], object] = sink or (lambda line: sys.stderr.write(line + "\n"))
+        self.broker: EmbeddedBroker | None = None
+        self.redis: EmbeddedRedis | None = None
         self.kafka = KafkaSettings()
         self.redis_settings = RedisSettings()
         self.children: dict[str, _Child] = {}

@@ -45,6 +45,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 class Rotary(nn.Module):
     """cos/sin of rotary positions computed on the fly, so any context length works."""
 
+    inv_freq: Tensor
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

@@ -12,6 +12,8 @@ Units: milliseconds, bytes, and GB/s (10^9 bytes per second) for bandwidths.
                                                                               of context it attends to
     transfer(k blocks)                     = latency + k * block_bytes / link bandwidth
     promote(k blocks from a lower tier)    = k * block_bytes / tier bandwidth
+    fetch(k blocks from a peer)            = peer's read of its dram/disk blocks + transfer(k)
+                                             + promote(k from dram) when the puller has a DRAM tier
 """
 
 from __future__ import annotations
@@ -52,15 +54,32 @@ class PerfProfile:
             link_latency_ms=report.link_latency_ms,
             block_bytes=report.block_bytes,
             block_size=report.block_size,
+            dram_gbps=report.dram_gbps,
+            disk_gbps=report.disk_gbps,
             gpu_blocks=tiers.get("gpu", 0),
             dram_blocks=tiers.get("dram", 0),
             disk_blocks=tiers.get("disk", 0),
         )
 
     def with_block_size(self, block_size: int) -> PerfProfile:
-        """The same machine addressed with another block size (bytes per block scale with tokens)."""
+        """The same machine addressed with another block size: bytes per block scale with tokens and
+        each tier keeps its capacity in tokens (its memory does not change), so block counts scale
+        the other way. A tier that holds anything keeps at least one block."""
+        if block_size == self.block_size:
+            return self
         per_token = self.block_bytes / self.block_size
-        return dataclasses.replace(self, block_size=block_size, block_bytes=int(per_token * block_size))
+
+        def blocks(n: int) -> int:
+            return max(n * self.block_size // block_size, 1 if n else 0)
+
+        return dataclasses.replace(
+            self,
+            block_size=block_size,
+            block_bytes=int(per_token * block_size),
+            gpu_blocks=blocks(self.gpu_blocks),
+            dram_blocks=blocks(self.dram_blocks),
+            disk_blocks=blocks(self.disk_blocks),
+        )
 
 
 def recompute_ms(p: PerfProfile, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -93,6 +112,32 @@ def promote_ms(p: PerfProfile, tier: str, n_blocks: int) -> float:
     return n_blocks * p.block_bytes / (gbps * 1e9) * 1e3
 
 
+def fetch_ms(
+    p: PerfProfile,
+    n_blocks: int,
+    peer: PerfProfile | None = None,
+    peer_dram: int = 0,
+    peer_disk: int = 0,
+) -> float:
+    """Time until ``n_blocks`` pulled from ``peer`` can be used by a prefill on ``p``'s worker.
+
+    Three steps, one after the other as the live data plane runs them: the peer's block server reads
+    a batch of blocks (``peer_dram`` / ``peer_disk`` of them sit in its lower tiers) and then sends
+    it; the link carries the bytes; the puller commits them to its DRAM tier when it has one
+    (``KvCacheManager.commit_blocks``' default), so its prefill promotes them to the GPU.
+    """
+    if n_blocks <= 0:
+        return 0.0
+    if peer is None:
+        t = transfer_ms(p, n_blocks)
+    else:
+        t = transfer_ms(p, n_blocks, peer.link_gbps, peer.link_latency_ms)
+        t += promote_ms(peer, "dram", peer_dram) + promote_ms(peer, "disk", peer_disk)
+    if p.dram_blocks > 0:
+        t += promote_ms(p, "dram", n_blocks)
+    return t
+
+
 def decode_ms(p: PerfProfile, steps: int) -> float:
     """Time of ``steps`` decode steps (one token each) of a batch."""
     return max(steps, 0) * p.decode_ms_per_step
@@ -105,10 +150,12 @@ def fetch_beats_recompute(
     link_gbps: float | None = None,
     latency_ms: float | None = None,
 ) -> bool:
-    """Whether pulling ``n_blocks`` that follow ``cached_tokens`` is faster than recomputing them."""
-    return transfer_ms(p, n_blocks, link_gbps, latency_ms) < recompute_ms(
-        p, n_blocks * p.block_size, cached_tokens
-    )
+    """Whether pulling ``n_blocks`` that follow ``cached_tokens`` from a peer's GPU tier (and
+    promoting them, see :func:`fetch_ms`) is faster than recomputing them."""
+    t = transfer_ms(p, n_blocks, link_gbps, latency_ms)
+    if p.dram_blocks > 0:
+        t += promote_ms(p, "dram", n_blocks)
+    return t < recompute_ms(p, n_blocks * p.block_size, cached_tokens)
 
 
 def _kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

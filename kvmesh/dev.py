@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="kvmesh")
     p.add_argument("--gpu-blocks", type=int, default=1024)
     p.add_argument("--dram-blocks", type=int, default=4096)
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        help='"key1:tenantA,key2:tenantB": intake then requires Bearer keys (default: KVMESH_API_KEYS)',
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     settings = DevStackSettings(

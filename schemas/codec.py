@@ -13,7 +13,7 @@ import msgpack
 from schemas.envelope import MAGIC, Envelope
 from schemas.errors import InvalidPayload, MalformedRecord, RecordTooLarge, UnknownSchema, UnknownVersion
 from schemas.messages import MESSAGE_TYPES
-from schemas.validate import from_plain, to_plain
+from schemas.validate import from_owned_plain, to_plain
 
 #: Records larger than this are refused on encode and on decode (Kafka's default max is 1 MiB).
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
@@ -34,6 +34,14 @@ for _cls in MESSAGE_TYPES:
 def readable_versions(cls: type) -> tuple[int, ...]:
     """Versions of ``cls`` this build can decode: its own, plus any it lists in ``READS``."""
     return tuple(getattr(cls, "READS", (cls.VERSION,)))  # type: ignore[attr-defined]
+
+
+def _check_header(version: Any, producer: Any, seq: Any, event_ms: Any) -> None:
+    for name, value in (("version", version), ("seq", seq), ("event_ms", event_ms)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MalformedRecord(f"envelope {name} must be an integer")
+    if not isinstance(producer, str):
+        raise MalformedRecord("envelope producer must be a string")
 
 
 def encode(
@@ -71,18 +79,16 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Envelope:
     _, schema, version, producer, seq, event_ms, payload = raw
     if not isinstance(schema, str):
         raise MalformedRecord("schema name must be a string")
-    for name, value in (("version", version), ("seq", seq), ("event_ms", event_ms)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise MalformedRecord(f"envelope {name} must be an integer")
-    if not isinstance(producer, str):
-        raise MalformedRecord("envelope producer must be a string")
+    if not (type(version) is int and type(seq) is int and type(event_ms) is int and type(producer) is str):
+        _check_header(version, producer, seq, event_ms)  # the exact types are the common case
     cls = _REGISTRY.get(schema)
     if cls is None:
         raise UnknownSchema(f"unknown schema {schema!r}")
     if version not in readable_versions(cls):
         raise UnknownVersion(f"{schema} version {version} not readable (reads {readable_versions(cls)})")
     try:
-        message = from_plain(cls, payload, schema)
+        # The payload is fresh from unpackb and held by nobody else: the message may keep its lists.
+        message = from_owned_plain(cls, payload, schema)
     except InvalidPayload:
         raise
     except RecursionError as exc:

@@ -239,6 +239,9 @@ class LoadReport:
     max_context: int = 4096
     started_ms: int = 0
     draining: bool = False
+    # Measured speed of moving blocks between this worker's tiers (GB/s), for promotion estimates.
+    dram_gbps: float = 20.0
+    disk_gbps: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,9 @@ Secrets are ``SecretStr``: they reach aiokafka and redis-py but never a log line
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import SecretStr
+from pydantic import SecretStr, field_serializer
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -66,10 +67,23 @@ class KafkaSettings(BaseSettings):
         return kw
 
 
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user info (``scheme://user:password@host``) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, _, hostinfo = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostinfo}"))
+
+
 class RedisSettings(BaseSettings):
     """How to reach Redis: ``redis://`` or ``rediss://`` (TLS) with optional user and password.
 
-    Read from ``KVMESH_REDIS_*`` (e.g. ``KVMESH_REDIS_URL``).
+    Read from ``KVMESH_REDIS_*`` (e.g. ``KVMESH_REDIS_URL``). The password may be ``password`` or part
+    of the URL (``rediss://user:pw@host``); either way connect with ``from_url(url, **client_kwargs())``.
+    ``url`` itself stays as given (redis-py reads it), so repr, str and JSON dumps show it redacted and
+    log lines use :attr:`redacted_url`; only ``model_dump()`` in Python mode carries it whole.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_REDIS_", extra="ignore")
@@ -79,7 +93,21 @@ class RedisSettings(BaseSettings):
     password: SecretStr | None = None
     socket_timeout_s: float = 2.0
 
+    @property
+    def redacted_url(self) -> str:
+        """The URL safe for a log line: any password in it replaced by ``***``."""
+        return redact_url(self.url)
+
+    def __repr_args__(self) -> Any:
+        for name, value in super().__repr_args__():
+            yield name, (redact_url(value) if name == "url" else value)
+
+    @field_serializer("url", when_used="json")
+    def _url_without_password(self, url: str) -> str:
+        return redact_url(url)
+
     def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``redis.asyncio.from_url(url, ...)`` beside the URL: timeouts and auth."""
         kw: dict[str, Any] = {
             "socket_timeout": self.socket_timeout_s,
             "socket_connect_timeout": self.socket_timeout_s,

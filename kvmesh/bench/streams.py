@@ -1,14 +1,20 @@
 """``kvmesh bench streams``: the typed streams layer against raw aiokafka, in one run on one broker.
 
-Two phases per client, each on fresh topics (a per-run ``topic_prefix``):
+Both clients are started once, each on its own fresh topic (a per-run ``topic_prefix``), then measured
+in ``--rounds`` alternating rounds (raw, typed, typed, raw, ...) so that a noisy machine hurts both
+alike; the reported msgs/s are the medians of the rounds.
 
 * throughput: publish ``--messages`` ChatRequests (``--tokens`` prompt tokens each) as fast as the
   producer takes them while a consumer reads them; msgs/s = messages / (first send .. last receive);
 * latency: publish ``--latency-messages`` at ``--rate`` msgs/s; per message, send-to-receive time.
 
-"raw" sends the same encoded bytes through AIOKafkaProducer and reads them with AIOKafkaConsumer
-without decoding; "typed" goes through TypedProducer.send (envelope, seq, encode) and TypedConsumer
-(strict decode, validation, dedup). The ratio is the cost of the typed layer.
+Both sides do the same Kafka work: the same producer and consumer settings, batch sizes and message
+count, and each record is queued without awaiting its delivery. "raw" sends one encoded record's bytes
+through AIOKafkaProducer and counts what AIOKafkaConsumer returns; "typed" sends the messages through
+TypedProducer.send (envelope, seq, encode) and reads them with TypedConsumer.getmany (strict decode
+and validation of every record, dedup). The messages are built before the clock starts on both sides.
+The ratio is the cost of the typed layer; ``encode_us`` / ``decode_us`` are the codec's share of it,
+per message, timed in-process.
 """
 
 from __future__ import annotations
@@ -20,23 +26,25 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
 from schemas.blocks import block_hashes
-from schemas.codec import encode
+from schemas.codec import decode, encode
 from schemas.messages import ChatRequest
 from streams.admin import ensure_topics, topic_name
-from streams.consumer import TypedConsumer
+from streams.consumer import TypedConsumer, consumer_options
 from streams.embedded import EmbeddedBroker
-from streams.producer import TypedProducer
+from streams.producer import TypedProducer, producer_options
 from streams.settings import KafkaSettings
 from streams.topics import REQUESTS
 
 BLOCK = 16
+#: Records per consumer fetch, on both sides.
+MAX_BATCH = 2000
 
 
 def _request(i: int, tokens: list[int], hashes: list[int]) -> ChatRequest:
@@ -60,13 +68,15 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class _Client:
-    """One side of the comparison: how to send message i and how to read a batch of message ids."""
+    """One side of the comparison: how to send message i and how to read a batch of records."""
 
-    def __init__(self, kafka: KafkaSettings, typed: bool, payload: Callable[[int], ChatRequest]) -> None:
+    def __init__(self, kafka: KafkaSettings, typed: bool, messages: list[ChatRequest]) -> None:
         self.kafka = kafka
         self.typed = typed
-        self.payload = payload
-        self._raw_value = encode(payload(0), "bench-raw", 0, 0)
+        self.messages = messages
+        self._raw_value = encode(messages[0], "bench-raw", 0, 0)
+        self._raw_keys = [m.session_id.encode() for m in messages]
+        self._name = topic_name(REQUESTS, kafka)
         self._tp: TypedProducer | None = None
         self._tc: TypedConsumer | None = None
         self._rp: AIOKafkaProducer | None = None
@@ -76,19 +86,18 @@ class _Client:
         if self.typed:
             self._tp = TypedProducer(self.kafka, "bench-typed")
             await self._tp.start()
-            self._tc = TypedConsumer(self.kafka, [REQUESTS], from_beginning=True, max_batch=2000)
+            self._tc = TypedConsumer(self.kafka, [REQUESTS], from_beginning=True, max_batch=MAX_BATCH)
             await self._tc.start()
         else:
-            self._rp = AIOKafkaProducer(**self.kafka.client_kwargs())
+            # The settings TypedProducer and TypedConsumer use, so only the typed layer differs.
+            self._rp = AIOKafkaProducer(**self.kafka.client_kwargs(), **producer_options(self.kafka))
             await self._rp.start()
-            name = topic_name(REQUESTS, self.kafka)
             self._rc = AIOKafkaConsumer(
                 **self.kafka.client_kwargs(),
-                auto_offset_reset="earliest",
-                fetch_max_wait_ms=self.kafka.fetch_max_wait_ms,
+                **consumer_options(self.kafka, group_id=None, from_beginning=True),
             )
             await self._rc.start()
-            self._rc.assign([TopicPartition(name, p) for p in range(REQUESTS.partitions)])
+            self._rc.assign([TopicPartition(self._name, p) for p in range(REQUESTS.partitions)])
 
     async def stop(self) -> None:
         for c in (self._tp, self._tc, self._rp, self._rc):
@@ -96,13 +105,14 @@ class _Client:
                 await c.stop()
 
     async def send(self, i: int) -> Awaitable[Any]:
+        """Queue message ``i`` (modulo the prepared ones); returns its delivery future, not awaited."""
+        i %= len(self.messages)
         if self._tp is not None:
-            result: Awaitable[Any] = await self._tp.send(REQUESTS, self.payload(i), wait=False)
+            result: Awaitable[Any] = await self._tp.send(REQUESTS, self.messages[i], wait=False)
             return result
         assert self._rp is not None
-        name = topic_name(REQUESTS, self.kafka)
-        # The same bytes every time: raw pays for no message building, encoding or validation.
-        result = await self._rp.send(name, self._raw_value, key=f"s{i % 64}".encode())
+        # The same bytes every time: raw pays for no encoding or validation.
+        result = await self._rp.send(self._name, self._raw_value, key=self._raw_keys[i])
         return result
 
     async def flush(self) -> None:
@@ -114,9 +124,9 @@ class _Client:
     async def receive(self) -> int:
         """Read one batch; returns how many records arrived."""
         if self._tc is not None:
-            return len(await self._tc.getmany(timeout_ms=100))
+            return len(await self._tc.getmany(timeout_ms=100, max_records=MAX_BATCH))
         assert self._rc is not None
-        batches = await self._rc.getmany(timeout_ms=100, max_records=2000)
+        batches = await self._rc.getmany(timeout_ms=100, max_records=MAX_BATCH)
         return sum(len(v) for v in batches.values())
 
 
@@ -146,7 +156,7 @@ async def _latency(client: _Client, n: int, rate: float, bar: tqdm) -> list[floa
     gap = 1.0 / rate
     for i in range(n):
         t = time.perf_counter()
-        await client.send(n + i)
+        await client.send(i)
         await client.flush()
         got = 0
         while got < 1:
@@ -157,36 +167,68 @@ async def _latency(client: _Client, n: int, rate: float, bar: tqdm) -> list[floa
     return lat
 
 
+def _codec_us(messages: list[ChatRequest], repeats: int = 5) -> tuple[float, float]:
+    """Median microseconds per message of ``encode`` and of ``decode`` over the prepared messages."""
+    enc: list[float] = []
+    dec: list[float] = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        data = [encode(m, "bench-codec", i, 0) for i, m in enumerate(messages)]
+        enc.append((time.perf_counter() - t) / len(messages) * 1e6)
+        t = time.perf_counter()
+        for d in data:
+            decode(d)
+        dec.append((time.perf_counter() - t) / len(messages) * 1e6)
+    return statistics.median(enc), statistics.median(dec)
+
+
 async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
     tokens = [(i * 7919) % 32000 for i in range(args.tokens)]
     hashes = block_hashes(tokens, BLOCK, b"bench")
-
-    def payload(i: int) -> ChatRequest:
-        return _request(i, tokens, hashes)
+    messages = [_request(i, tokens, hashes) for i in range(args.messages)]
 
     run_id = uuid.uuid4().hex[:8]
-    results: dict[str, Any] = {"messages": args.messages, "tokens": args.tokens, "bootstrap": bootstrap}
-    results["payload_bytes"] = len(encode(payload(0), "bench", 0, 0))
+    results: dict[str, Any] = {
+        "messages": args.messages,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "bootstrap": bootstrap,
+    }
+    results["payload_bytes"] = len(encode(messages[0], "bench", 0, 0))
+    results["encode_us"], results["decode_us"] = _codec_us(messages[: min(len(messages), 2000)])
     warmup = min(200, args.messages)
-    total = 2 * (warmup + args.messages + args.latency_messages)
+    total = 2 * (warmup + args.rounds * args.messages + args.latency_messages)
+    clients: dict[str, _Client] = {}
+    rates: dict[str, list[float]] = {"raw": [], "typed": []}
     with tqdm(total=total, desc="bench streams", unit="msg", file=sys.stderr) as bar:
-        for label, typed in (("raw", False), ("typed", True)):
-            kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"bench-{run_id}-{label}.")
-            await ensure_topics(kafka, [REQUESTS])
-            client = _Client(kafka, typed, payload)
-            await client.start()
-            try:
+        try:
+            for label in ("raw", "typed"):
+                kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"bench-{run_id}-{label}.")
+                await ensure_topics(kafka, [REQUESTS])
+                clients[label] = _Client(kafka, label == "typed", messages)
+                await clients[label].start()
                 # Warm-up: connections, metadata and the first fetches are not what is measured.
-                await _throughput(client, warmup, bar)
-                results[f"{label}_msgs_per_s"] = await _throughput(client, args.messages, bar)
-                lat = await _latency(client, args.latency_messages, args.rate, bar)
-            finally:
+                await _throughput(clients[label], warmup, bar)
+            for r in range(args.rounds):
+                order = ("raw", "typed") if r % 2 == 0 else ("typed", "raw")
+                for label in order:
+                    rates[label].append(await _throughput(clients[label], args.messages, bar))
+            for label in ("raw", "typed"):
+                lat = await _latency(clients[label], args.latency_messages, args.rate, bar)
+                prefix = "" if label == "typed" else "raw_"
+                results[f"{prefix}p50_ms"] = _pct(lat, 0.50)
+                results[f"{prefix}p99_ms"] = _pct(lat, 0.99)
+                results[f"{prefix}mean_ms"] = statistics.fmean(lat) if lat else float("nan")
+        finally:
+            for client in clients.values():
                 await client.stop()
-            prefix = "" if typed else "raw_"
-            results[f"{prefix}p50_ms"] = _pct(lat, 0.50)
-            results[f"{prefix}p99_ms"] = _pct(lat, 0.99)
-            results[f"{prefix}mean_ms"] = statistics.fmean(lat) if lat else float("nan")
+    for label in ("raw", "typed"):
+        results[f"{label}_msgs_per_s"] = statistics.median(rates[label])
+        results[f"{label}_msgs_per_s_rounds"] = rates[label]
     results["typed_vs_raw_throughput"] = results["typed_msgs_per_s"] / results["raw_msgs_per_s"]
+    results["typed_vs_raw_rounds"] = [t / r for t, r in zip(rates["typed"], rates["raw"], strict=True)]
+    # What the typed layer adds per message, from the medians; compare with encode_us + decode_us.
+    results["typed_overhead_us"] = 1e6 / results["typed_msgs_per_s"] - 1e6 / results["raw_msgs_per_s"]
     results["typed_mb_per_s"] = results["typed_msgs_per_s"] * results["payload_bytes"] / 1e6
     return results
 
@@ -198,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="prompt tokens per ChatRequest")
     parser.add_argument("--latency-messages", type=int, default=200)
     parser.add_argument("--rate", type=float, default=200.0, help="msgs/s in the latency phase")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per client")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line last")
     args = parser.parse_args(argv)
 
@@ -218,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  p99 {results['raw_p99_ms']:.2f} ms\n"
         f"typed {results['typed_msgs_per_s']:9.0f} msgs/s   p50 {results['p50_ms']:.2f} ms"
         f"  p99 {results['p99_ms']:.2f} ms\n"
-        f"typed/raw throughput {results['typed_vs_raw_throughput']:.2f}\n"
+        f"typed/raw throughput {results['typed_vs_raw_throughput']:.2f} (median of {args.rounds} rounds)\n"
+        f"codec per message: encode {results['encode_us']:.1f} us, decode {results['decode_us']:.1f} us\n"
     )
     if args.json:
         out.write(json.dumps(results) + "\n")

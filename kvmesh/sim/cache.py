@@ -1,6 +1,7 @@
 """A simulated worker's KV cache: block hashes in GPU, DRAM and disk tiers, each an LRU.
 
-The cache holds only identities (no bytes). Writes go to the GPU tier; when a tier is over capacity
+The cache holds only identities (no bytes). Prefill writes go to the GPU tier, blocks pulled from a
+peer to the tier :meth:`TieredCache.insert` names; when a tier is over capacity
 its least recently used block is demoted one tier down (GPU -> DRAM -> disk -> dropped), the way the
 real worker's ``tiers.py`` demotes. A tier of capacity 0 is skipped. Every change is recorded as a
 run of ``(kind, tier, from_tier, hashes, parents)`` so the worker can publish the same KvEvents a
@@ -89,6 +90,24 @@ class TieredCache:
             gpu[h] = None
             where[h] = 0
             self._settle(0, log)
+        return log.runs
+
+    def insert(self, hashes: list[int], parents: list[int], tier: int) -> list[Change]:
+        """Add the ``hashes`` held nowhere here to ``tier`` as its most recently used (blocks pulled
+        from a peer: the live ``commit_blocks`` skips blocks already held and leaves the rest where
+        it put them). A tier of capacity 0 puts them in the GPU tier instead."""
+        if self._caps[tier] == 0:
+            tier = 0
+        log = _ChangeLog()
+        store = self._tiers[tier]
+        where = self._where
+        for h, parent in zip(hashes, parents, strict=True):
+            if h in where:
+                continue
+            log.add("stored", TIERS[tier], None, h, parent)
+            store[h] = None
+            where[h] = tier
+            self._settle(tier, log)
         return log.runs
 
     def _settle(self, tier: int, log: _ChangeLog) -> None:

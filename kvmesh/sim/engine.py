@@ -18,7 +18,6 @@ decision naming blocks a worker no longer holds falls back to recompute inside t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -51,20 +50,9 @@ Tap = Callable[[TopicSpec, object, float], None]
 
 
 def profile_for_block_size(profile: PerfProfile, block_size: int) -> PerfProfile:
-    """``profile`` addressed in ``block_size``-token blocks, keeping each tier's capacity in tokens."""
-    if block_size == profile.block_size:
-        return profile
-    scaled = profile.with_block_size(block_size)
-
-    def blocks(n: int) -> int:
-        return max(n * profile.block_size // block_size, 1 if n else 0)
-
-    return dataclasses.replace(
-        scaled,
-        gpu_blocks=blocks(profile.gpu_blocks),
-        dram_blocks=blocks(profile.dram_blocks),
-        disk_blocks=blocks(profile.disk_blocks),
-    )
+    """``profile`` addressed in ``block_size``-token blocks (capacities kept in tokens, see
+    :meth:`PerfProfile.with_block_size`)."""
+    return profile.with_block_size(block_size)
 
 
 @dataclass(slots=True)

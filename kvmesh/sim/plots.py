@@ -1,4 +1,4 @@
-"""PNG figures of a simulator run: TTFT CDF per policy, busy fraction per worker per policy."""
+"""PNG figures of a simulator run (or a live one, as SimResults): TTFT CDF and busy fraction per worker."""
 
 from __future__ import annotations
 
@@ -33,17 +33,31 @@ def plot_ttft_cdf(results: list[SimResult], path: Path) -> Path:
     return path
 
 
+#: Up to this many workers the busy figure is grouped bars labelled by worker id; above, one line each.
+BAR_WORKERS = 16
+
+
 def plot_busy(results: list[SimResult], path: Path) -> Path:
-    """Busy fraction of every worker, one marker series per policy."""
-    fig, ax = plt.subplots(figsize=(max(7, len(results[0].worker_ids) * 0.25), 4.5))
-    for r in results:
-        busy = r.summary()["busy_fraction"]
-        ax.plot(range(len(busy)), list(busy.values()), marker="o", linestyle="-", label=r.policy, alpha=0.8)
+    """Busy fraction of every worker per policy: grouped bars for a small fleet, lines for a big one."""
+    ids = results[0].worker_ids
+    n = len(ids)
+    fig, ax = plt.subplots(figsize=(max(7, n * (0.25 if n > BAR_WORKERS else 0.9)), 4.5))
+    width = 0.8 / len(results)
+    for k, r in enumerate(results):
+        busy = list(r.summary()["busy_fraction"].values())
+        if n <= BAR_WORKERS:
+            x = np.arange(len(busy)) - 0.4 + width * (k + 0.5)
+            ax.bar(x, busy, width=width, label=r.policy)
+        else:
+            ax.plot(range(len(busy)), busy, marker="o", linestyle="-", label=r.policy, alpha=0.8)
+    if n <= BAR_WORKERS:
+        ax.set_xticks(range(n), ids)
     ax.set_xlabel("worker")
     ax.set_ylabel("busy fraction")
     ax.set_ylim(0, 1.05)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    # Below the axes: above it would hide the tallest bars, which are the interesting ones.
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(len(results), 5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -11,12 +11,14 @@ prefill + decode steps::
 
 Like the live worker (services/worker/service.py), a fetch happens when the assignment arrives, before
 the request joins the engine's queue, and only extends the prefix the worker already holds; pulls of one
-worker share its link one at a time, while its GPU keeps computing. The worker serves what it really
-holds, not what the scheduler believed: a planned block the peer no longer has ends the pull there, and
-the prefill reuses the longest local prefix at the time it starts and recomputes the rest. With
-``overlap_fetch`` the request joins the queue at once and is skipped until its pull lands (a what-if
-for a worker that overlaps pulls with queueing). After a prefill every full prompt block is written
-to the GPU tier; cache changes go out as KvEvents, and a LoadReport after every iteration.
+worker share its link one at a time, while its GPU keeps computing. A pull costs what
+``kvmesh.costmodel.fetch_ms`` says: the peer reads blocks held in its lower tiers, the link carries
+them, they land in the DRAM tier (GPU without one) and the prefill promotes them. The worker serves what
+it really holds, not what the scheduler believed: a planned block the peer no longer has ends the pull
+there, and the prefill reuses the longest local prefix at the time it starts and recomputes the rest.
+With ``overlap_fetch`` the request joins the queue at once and is skipped until its pull lands (a
+what-if for a worker that overlaps pulls with queueing). After a prefill every full prompt block is
+written to the GPU tier; cache changes go out as KvEvents, and a LoadReport after every iteration.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.costmodel import PerfProfile, decode_ms, promote_ms, recompute_ms, transfer_ms
-from kvmesh.sim.cache import TieredCache
+from kvmesh.sim.cache import Change, TieredCache
 from kvmesh.sim.metrics import RequestRecord
 from schemas.messages import (
     TIERS,
@@ -147,6 +149,8 @@ class SimWorker:
             decode_ms_per_step=p.decode_ms_per_step,
             link_gbps=p.link_gbps,
             link_latency_ms=p.link_latency_ms,
+            dram_gbps=p.dram_gbps,
+            disk_gbps=p.disk_gbps,
         )
         self._emit(lr, now_ms)
 
@@ -184,13 +188,19 @@ class SimWorker:
             if have < plan.first_block or peer is None:
                 break  # a gap before the fetched blocks: a chained block is useless after it
             got = 0
+            lower = [0, 0, 0]  # of the blocks pulled, how many the peer reads from each tier
             for pos in range(have, end):
                 h = plan.block_hashes[pos - plan.first_block]
-                if pos >= len(hashes) or hashes[pos] != h or peer.cache.tier_of(h) is None:
+                t = peer.cache.tier_of(h) if pos < len(hashes) and hashes[pos] == h else None
+                if t is None:
                     break
+                lower[t] += 1
                 got += 1
             if got:
-                cost += transfer_ms(self.profile, got, peer.profile.link_gbps, peer.profile.link_latency_ms)
+                # the peer reads, the link carries; promotion of the landed blocks is paid at prefill
+                pp = peer.profile
+                cost += transfer_ms(self.profile, got, pp.link_gbps, pp.link_latency_ms)
+                cost += promote_ms(pp, TIERS[1], lower[1]) + promote_ms(pp, TIERS[2], lower[2])
                 have += got
             if have < end:
                 break  # the peer lacked a block: the rest is recomputed
@@ -203,10 +213,12 @@ class SimWorker:
         return self._link_free
 
     def on_fetch_done(self, job: Job, now_ms: float) -> None:
-        """The pulled blocks enter the GPU tier (and the view, by KvEvent); the job joins the queue."""
+        """The pulled blocks enter the DRAM tier (the GPU tier without one), as the live worker commits
+        them, and the view by KvEvent; the job joins the queue and its prefill promotes them."""
         lo, hi = job.fetch_range
         hashes = job.request.block_hashes
-        self._store(hashes[lo:hi], [hashes[i - 1] if i else 0 for i in range(lo, hi)], job, now_ms)
+        parents = [hashes[i - 1] if i else 0 for i in range(lo, hi)]
+        self._publish(self.cache.insert(hashes[lo:hi], parents, 1), job, now_ms)
         job.fetched_blocks = hi - lo
         if job.ready:
             self._enqueue(job, now_ms)
@@ -311,9 +323,12 @@ class SimWorker:
             self._decoding.append(job)
 
     def _store(self, hashes: list[int], parents: list[int], job: Job, now_ms: float) -> None:
+        self._publish(self.cache.access(hashes, parents), job, now_ms)
+
+    def _publish(self, changes: list[Change], job: Job, now_ms: float) -> None:
         t = int(now_ms)
         sid = job.request.session_id
-        for kind, tier, from_tier, hs, ps in self.cache.access(hashes, parents):
+        for kind, tier, from_tier, hs, ps in changes:
             self._emit(KvEvent(self.worker_id, kind, tier, hs, ps, from_tier, sid, t), now_ms)  # type: ignore[arg-type]
 
     def _advance_decode(self, steps: int, now_ms: float) -> None:

@@ -19,6 +19,7 @@ from schemas.blocks import DEFAULT_BLOCK_SIZE, block_hashes, tenant_namespace
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import STATS_KEY
 from services.kvmanager.snapshot import DirectorySnapshot, read_snapshot
+from streams.settings import RedisSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,8 +101,9 @@ def render_text(rep: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def collect(url: str, prefix: list[int]) -> dict[str, Any]:
-    client = aioredis.from_url(url)
+async def collect(redis: RedisSettings, prefix: list[int]) -> dict[str, Any]:
+    # The settings' password and timeouts apply to a --redis URL too (a rediss:// directory needs auth).
+    client = aioredis.from_url(redis.url, **redis.client_kwargs())
     try:
         snap = await read_snapshot(client)
         raw = await client.hgetall(STATS_KEY)
@@ -113,8 +115,10 @@ async def collect(url: str, prefix: list[int]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    url = args.redis or KvManagerSettings().redis.url
-    rep = asyncio.run(collect(url, prefix_hashes(args)))
+    redis = KvManagerSettings().redis
+    if args.redis:
+        redis = redis.model_copy(update={"url": args.redis})
+    rep = asyncio.run(collect(redis, prefix_hashes(args)))
     sys.stdout.write(json.dumps(rep, sort_keys=True) + "\n" if args.json else render_text(rep))
     return 0
 

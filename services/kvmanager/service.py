@@ -138,7 +138,9 @@ class KvManagerService:
             except REDIS_DOWN_ERRORS as exc:
                 if not warned:
                     log.warning(
-                        "Redis at %s unreachable at start (%s); waiting", self.settings.redis.url, exc
+                        "Redis at %s unreachable at start (%s); waiting",
+                        self.settings.redis.redacted_url,
+                        exc,
                     )
                     warned = True
                 await asyncio.sleep(self.settings.redis_retry_ms / 1000)
@@ -269,7 +271,7 @@ class KvManagerService:
                 log.warning(
                     "Redis at %s unreachable: buffering directory changes in memory (limit %d), retrying "
                     "every %d ms",
-                    self.settings.redis.url,
+                    self.settings.redis.redacted_url,
                     self.settings.buffer_max_dirty,
                     self.settings.redis_retry_ms,
                 )

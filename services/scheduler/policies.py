@@ -5,10 +5,13 @@ Every policy returns scored candidates, the chosen one first. Scores come from o
 
     ttft = queue wait          (report's queued prefill + own pending assignments, kvmesh.costmodel)
          + promotion           (cached blocks sitting in dram/disk brought back to the GPU)
-         + peer transfer       (blocks a peer holds past the local prefix, only if fetch beats recompute)
+         + peer fetch          (blocks a peer holds past the local prefix, only if fetch beats recompute:
+                                the peer's lower-tier reads, the link, the promotion of the landed
+                                blocks; kvmesh.costmodel.fetch_ms)
          + recompute           (every token after the reused/fetched blocks)
 
-``kvmesh`` picks the least ttft. Baselines: ``round_robin``, ``least_loaded``, ``session_affinity``
+``kvmesh`` picks the least ttft (ties by the active tokens of the worker's report, then id).
+Baselines: ``round_robin``, ``least_loaded``, ``session_affinity``
 (sticky per session) and ``prefix_aware`` (most cached blocks, ties by load: SGLang/Dynamo style); they
 never plan peer fetches. Because the queue estimate includes pending work, an overloaded fleet does not
 recompute a shared prefix everywhere: moving a request off a busy holder only wins when the saved wait
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.costmodel import promote_ms, recompute_ms, transfer_ms
+from kvmesh.costmodel import fetch_ms, promote_ms, recompute_ms
 from schemas.messages import ChatRequest
 from services.scheduler.view import FleetView, WorkerState
 
@@ -86,10 +89,12 @@ def _holders(view: FleetView, req: ChatRequest, now_ms: int, as_source: bool = F
 
 
 def least_loaded_workers(view: FleetView, live: list[str], k: int, now_ms: int) -> list[str]:
-    """The ``k`` live workers with the least estimated queue wait (ties by worker id)."""
+    """The ``k`` live workers with the least estimated queue wait (ties by active tokens, then id)."""
     if len(live) <= k:
         workers = view.workers
-        return sorted(live, key=lambda w: (view.queue_ms(workers[w], now_ms), w))
+        return sorted(
+            live, key=lambda w: (view.queue_ms(workers[w], now_ms), workers[w].report.active_tokens, w)
+        )
     # the view keeps workers ranked by a running load key (pending decay not applied): walking its
     # head costs O(k) instead of one Python call per worker. The picks are then scored exactly.
     return view.least_loaded(k, live)
@@ -124,10 +129,12 @@ def score_worker(
     fetch_from = None
     if peer is not None:
         k = min(peer.counts[0], max_reuse) - cached
-        pp = peer.ws.profile
         if k >= max(fetch_min_blocks, 1):
-            # fetch_beats_recompute's comparison, keeping the transfer time for the estimate
-            t = transfer_ms(p, k, pp.link_gbps, pp.link_latency_ms)
+            # the index counts the peer's tiers over its whole run, not per position: share them out
+            run = max(peer.counts[0], 1)
+            peer_dram = -(-peer.counts[2] * k // run)
+            peer_disk = -(-peer.counts[3] * k // run)
+            t = fetch_ms(p, k, peer.ws.profile, peer_dram, peer_disk)
             if t < recompute_ms(p, k * bs, cached * bs):
                 fetch = k
                 fetch_from = peer.ws.worker_id
@@ -179,10 +186,6 @@ def _score_set(
     return out
 
 
-def _by_ttft(c: CandidateScore) -> tuple[float, str]:
-    return (c.ttft_ms, c.worker_id)
-
-
 def kvmesh(
     view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
 ) -> list[CandidateScore]:
@@ -191,7 +194,10 @@ def kvmesh(
     ids = {h.ws.worker_id for h in holders if not h.ws.report.draining}
     ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
     out = _score_set(view, req, now_ms, sorted(ids), holders, params, allow_fetch=True)
-    out.sort(key=_by_ttft)
+    workers = view.workers
+    # equal estimates (common: idle or one decode step, nothing cached) go to the smaller decode
+    # batch, which frees up sooner, rather than always to the lowest id
+    out.sort(key=lambda c: (c.ttft_ms, workers[c.worker_id].report.active_tokens, c.worker_id))
     return out
 
 

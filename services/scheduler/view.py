@@ -109,7 +109,11 @@ class FleetView:
         # worker → base queue + pending ms (decay not applied): ranks workers for least-loaded picks
         # in C (heapq with a dict getter) instead of one Python call per worker per decision
         self.load_key: dict[str, float] = {}
-        self._load_rank: list[tuple[float, str]] = []  # (load_key, worker) sorted: least loaded first
+        # (load_key, active tokens, worker) sorted: least loaded first. Equal waits (idle, or one decode
+        # step) are common; the smaller decode batch frees up sooner, and breaking those ties by id
+        # alone would pile them on the lowest ids
+        self._load_rank: list[tuple[float, int, str]] = []
+        self._rank_entry: dict[str, tuple[float, int, str]] = {}
         # live-worker cache: valid while no membership change and now_ms in [computed_at, valid_until)
         self._version = 0
         self._live_key: tuple[int, str | None] = (-1, None)
@@ -281,10 +285,11 @@ class FleetView:
         return self._sessions.get(session_id)
 
     def least_loaded(self, k: int, live: list[str]) -> list[str]:
-        """The ``k`` workers of ``live`` with the least load key (ties by id), from the maintained ranking."""
+        """The ``k`` workers of ``live`` with the least load key (ties by the active tokens of their
+        latest report, then id), from the maintained ranking."""
         live_set = self._live_set if live is self._live else frozenset(live)
         out: list[str] = []
-        for _, w in self._load_rank:
+        for _, _, w in self._load_rank:
             if w in live_set:
                 out.append(w)
                 if len(out) == k:
@@ -294,12 +299,16 @@ class FleetView:
     # -- internals -------------------------------------------------------------------------------
     def _set_load_key(self, worker_id: str, value: float | None) -> None:
         rank = self._load_rank
-        old = self.load_key.pop(worker_id, None)
+        self.load_key.pop(worker_id, None)
+        old = self._rank_entry.pop(worker_id, None)
         if old is not None:
-            del rank[bisect.bisect_left(rank, (old, worker_id))]
+            del rank[bisect.bisect_left(rank, old)]
         if value is not None:
             self.load_key[worker_id] = value
-            bisect.insort(rank, (value, worker_id))
+            ws = self.workers.get(worker_id)
+            entry = (value, 0 if ws is None else ws.report.active_tokens, worker_id)
+            self._rank_entry[worker_id] = entry
+            bisect.insort(rank, entry)
 
     def _drop_inflight(self, request_id: str) -> None:
         f = self._inflight.pop(request_id, None)

@@ -47,6 +47,17 @@ class WorkerSettings(BaseSettings):
         ),
     )
     fetch_timeout_s: float = 5.0
+    # Fleet-aware eviction: how many (other worker, block) copies the worker tracks from the fleet's
+    # kv-events (about 110 bytes each, see services.worker.fleet_view); past it, copies are not counted.
+    fleet_view_max_entries: int = 500_000
+    # Most blocks the block server sends for one fetch; a larger request is refused as too_many_blocks.
+    max_blocks_per_fetch: int = Field(
+        default=4096,
+        gt=0,
+        validation_alias=AliasChoices(
+            "KVMESH_WORKER_MAX_BLOCKS_PER_FETCH", "KVMESH_MAX_BLOCKS_PER_FETCH", "max_blocks_per_fetch"
+        ),
+    )
     # Reporting
     load_interval_ms: int = 500
     calibrate: bool = True

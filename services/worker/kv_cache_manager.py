@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 #: How many LRU candidates the preference-aware victim choice looks at (keeps eviction O(1)-ish).
 _VICTIM_WINDOW = 64
 
+#: Blocks per re-announce KvEvent: a hash and a parent are at most 9 bytes each in MessagePack, so
+#: 4096 blocks make a ~75 KB record, far below the default 1 MiB record limit.
+HOLDINGS_CHUNK = 4096
+
 
 @dataclass(slots=True)
 class BlockMeta:
@@ -149,6 +153,10 @@ class KvCacheManager:
         with self._lock:
             for h in block_hashes:
                 self._retained[h] = max(until_ms, self._retained.get(h, 0))
+
+    def is_retained(self, block_hash: int) -> bool:
+        with self._lock:
+            return block_hash in self._retained
 
     def expire_retains(self, now_ms: int) -> None:
         """Forget retain hints that ran out (``now_ms`` comes from a message field, not the clock)."""
@@ -267,6 +275,35 @@ class KvCacheManager:
                 for e in self._events
             ]
             self._events = []
+            return out
+
+    def holdings_events(self, max_blocks_per_event: int = HOLDINGS_CHUNK) -> list[KvEvent]:
+        """Everything this worker holds as ``stored`` events, per tier (GPU, DRAM, disk) with parent
+        hashes, at most ``max_blocks_per_event`` blocks each (records stay under the size limit).
+
+        For re-announcing after the fleet forgot us (a WorkerLost about ourselves). The pending event
+        log is left alone: publish :meth:`drain_kv_events` first, then these, then later drains, and
+        the fleet ends with exactly what is held (a stored repeated or a removal of something not
+        re-announced is harmless)."""
+        step = max(1, max_blocks_per_event)
+        with self._lock:
+            out: list[KvEvent] = []
+            for tier, hashes in (
+                ("gpu", self.pool.hashes()),
+                ("dram", self.dram.lru()),
+                ("disk", self.disk.lru()),
+            ):
+                for i in range(0, len(hashes), step):
+                    chunk = hashes[i : i + step]
+                    out.append(
+                        KvEvent(
+                            worker_id=self.worker_id,
+                            kind="stored",
+                            tier=tier,
+                            block_hashes=chunk,
+                            parent_hashes=[self._meta[h].parent for h in chunk],
+                        )
+                    )
             return out
 
     # ---- BlockSource -------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """The worker process: Kafka in, tokens out, KV blocks served to and fetched from peers.
 
 Owns one :class:`~services.worker.engine.Engine` (model + paged, tiered KV cache), one block server
-(the data plane, for peers), one block client (to fetch), a producer and two consumers (its own
-assignments and its own control commands). Threads: the engine steps in a worker thread via
-``asyncio.to_thread`` so that the event loop keeps serving peers and Kafka; only the engine loop task
-touches the engine's request state, so new assignments and cancels are queued for it.
+(the data plane, for peers), one block client (to fetch), a producer, two consumers of its own
+(assignments and control commands) and one fleet-state consumer (every worker's kv-events and every
+WorkerLost, no group, from the end) that keeps :class:`~services.worker.fleet_view.FleetCopies`, the
+count of other workers' copies per block that eviction reads (a last copy is demoted, not dropped).
+Threads: the engine steps in a worker thread via ``asyncio.to_thread`` so that the event loop keeps
+serving peers and Kafka; only the engine loop task touches the engine's request state, so new
+assignments and cancels are queued for it.
 
 Per assignment::
 
@@ -33,6 +36,7 @@ from schemas.messages import (
     ChatRequest,
     Completion,
     DrainCommand,
+    KvEvent,
     LoadReport,
     ReplicateCommand,
     RetainHint,
@@ -41,6 +45,7 @@ from schemas.messages import (
     WorkerLost,
 )
 from services.worker.config import WorkerSettings
+from services.worker.fleet_view import FleetCopies
 from streams import topics
 from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
@@ -84,6 +89,11 @@ class WorkerService:
         self._producer: TypedProducer | None = None
         self._assignments: TypedConsumer | None = None
         self._control: TypedConsumer | None = None
+        self._fleet_state: TypedConsumer | None = None
+        self.fleet = FleetCopies(self.worker_id, settings.fleet_view_max_entries)
+        # One publisher of KV events at a time, each draining under it: the fleet then sees this
+        # worker's events in the order they happened (a re-announce cannot overtake a removal).
+        self._kv_publish = asyncio.Lock()
         self._server = None  # type: ignore[var-annotated]
         self._client = None  # type: ignore[var-annotated]
         self.transfer_address = ""
@@ -105,6 +115,7 @@ class WorkerService:
             "fetch_failures": 0,
             "fallbacks": 0,
             "replications": 0,
+            "reannounced_blocks": 0,
         }
 
     # ----------------------------------------------------------------- lifecycle
@@ -148,6 +159,7 @@ class WorkerService:
             host=s.transfer_host,
             port=s.transfer_port,
             secret=s.secret_bytes(),
+            max_blocks=s.max_blocks_per_fetch,
             metrics=self.transfer_metrics,
         )
         self.transfer_address = await self._server.start()
@@ -183,14 +195,22 @@ class WorkerService:
             key_filter=self.worker_id,
             dlq=self._producer,
         )
+        # Other workers' copies: read from the end (what was stored before we started is unknown,
+        # which only makes eviction keep more than it must), no group, nothing committed.
+        self._fleet_state = TypedConsumer(
+            s.kafka, [topics.KV_EVENTS, topics.CONTROL], group_id=None, from_beginning=False
+        )
         await self._assignments.start()
         await self._control.start()
+        await self._fleet_state.start()
+        self.engine.kv.set_fleet_copies(self.fleet.copies)
         # Announce ourselves (and our measured speed) before any assignment can arrive.
         await self._publish_load(force=True)
         await self._publish_kv_events()
         self._tasks = [
             asyncio.create_task(self._assignments.run(self._on_assignment_record), name="worker-assignments"),
             asyncio.create_task(self._control.run(self._on_control_record), name="worker-control"),
+            asyncio.create_task(self._fleet_state.run(self._on_fleet_record), name="worker-fleet-state"),
             asyncio.create_task(self._engine_loop(), name="worker-engine"),
             asyncio.create_task(self._load_loop(), name="worker-load"),
         ]
@@ -220,7 +240,7 @@ class WorkerService:
                 for ev in events:
                     await self._producer.send(topics.KV_EVENTS, ev)
                 await self._publish_load(force=True, draining=True)
-        for c in (self._assignments, self._control):
+        for c in (self._assignments, self._control, self._fleet_state):
             if c is not None:
                 with contextlib.suppress(Exception):
                     await c.stop()
@@ -270,6 +290,14 @@ class WorkerService:
         elif isinstance(msg, WorkerLost) and msg.worker_id == self.worker_id and not self._stopping:
             # We were declared lost (a long pause): re-announce everything we still hold.
             await self._reannounce()
+
+    async def _on_fleet_record(self, record: Record) -> None:
+        msg = record.message
+        if isinstance(msg, KvEvent):
+            self.fleet.apply(msg, record.envelope.event_ms)
+        elif isinstance(msg, WorkerLost) and msg.worker_id != self.worker_id:
+            # The fleet forgot that worker's blocks; so do we (it re-announces them if it is alive).
+            self.fleet.worker_lost(msg.worker_id, msg.declared_ms)
 
     async def _admit(self, a: Assignment) -> None:
         req = a.request
@@ -451,20 +479,32 @@ class WorkerService:
     async def _publish_kv_events(self) -> None:
         if self.engine is None or self._producer is None:
             return
-        for ev in self.engine.drain_kv_events():
-            await self._producer.send(topics.KV_EVENTS, ev)
+        async with self._kv_publish:
+            for ev in self.engine.drain_kv_events():
+                await self._producer.send(topics.KV_EVENTS, ev)
 
     async def _reannounce(self) -> None:
+        """Publish everything still held as stored events (the KV manager dropped our blocks)."""
         holdings = getattr(self.engine.kv, "holdings_events", None)
-        if holdings is None:
+        if holdings is None or self._producer is None:
             return
-        for ev in holdings():
-            await self._producer.send(topics.KV_EVENTS, ev)
+        # A stored record is ~18 bytes per block; stay well inside the record size limit.
+        chunk = max(64, min(4096, self.settings.kafka.max_record_bytes // 64))
+        async with self._kv_publish:
+            # Pending events first, then the snapshot; later changes follow in later drains.
+            events = self.engine.drain_kv_events() + holdings(chunk)
+            for ev in events:
+                await self._producer.send(topics.KV_EVENTS, ev)
+        n = sum(len(ev.block_hashes) for ev in events if ev.kind == "stored")
+        self.metrics["reannounced_blocks"] += n
+        log.warning("worker %s was declared lost while alive: re-announced %d blocks", self.worker_id, n)
 
     async def _load_loop(self) -> None:
         interval = self.settings.load_interval_ms / 1e3
         while True:
             await asyncio.sleep(interval)
+            # Retain hints carry absolute deadlines; the worker's own clock retires them.
+            self.engine.kv.expire_retains(now_ms())
             await self._publish_kv_events()
             await self._publish_load(force=True)
 
@@ -496,6 +536,8 @@ class WorkerService:
             decode_ms_per_step=p.decode_ms_per_step if p else 5.0,
             link_gbps=p.link_gbps if p else 1.0,
             link_latency_ms=p.link_latency_ms if p else 1.0,
+            dram_gbps=p.dram_gbps if p else 20.0,
+            disk_gbps=p.disk_gbps if p else 2.0,
             model=self.settings.served_model,
             max_context=self.engine.max_context,
             started_ms=self._started_ms,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -35,7 +36,7 @@ def test_apply_builds_expected_directory() -> None:
     assert d.holders(11) == {"w1": "gpu", "w2": "dram"}
     assert d.holders(12) == {"w1": "gpu"}
     assert d.holders(13) == {"w1": "dram"}
-    assert d.blocks[13]["w1"] == ("dram", 120)
+    assert d.blocks[13] == (("w1", "dram", 120),)  # (worker, tier, last use ms), by worker id
     assert 21 not in d.blocks and 21 not in d.parents
     assert d.parents == {11: 0, 12: 11, 13: 12}
     assert d.worker_blocks == {"w1": {11, 12, 13}, "w2": {11}}
@@ -67,7 +68,7 @@ def test_lost_worker_dropped_entirely() -> None:
     d = Directory()
     feed(d, EVENTS)
     assert d.drop_worker("w1") == 3
-    assert d.blocks == {11: {"w2": ("dram", 110)}}
+    assert d.blocks == {11: (("w2", "dram", 110),)}
     assert "w1" not in d.workers and "w1" not in d.worker_blocks
 
 
@@ -176,3 +177,18 @@ async def test_redis_restart_without_data_is_rewritten_whole(redis_server, redis
         assert json.loads((await client.hget("kvm:workers", "w2")).decode())["last_seen_ms"] == 170
     finally:
         await client.aclose()
+
+
+def test_block_holders_are_invisible_to_the_garbage_collector() -> None:
+    """Holders are tuples of str/int: within two collections the collector stops tracking them,
+    so full collections (pauses that land in the event → Redis lag) do not grow with the directory."""
+    d = Directory()
+    d.apply_kv_event(stored("w2", [11, 12], ms=5))
+    d.apply_kv_event(stored("w1", [11], ms=6))
+    d.apply_kv_event(moved("w2", [12], to="dram", frm="gpu", ms=7))
+    assert d.blocks[11] == (("w1", "gpu", 6), ("w2", "gpu", 5))  # by worker id
+    gc.collect()  # untracks the inner (worker, tier, ms) tuples ...
+    gc.collect()  # ... and then the tuples holding them
+    assert not any(gc.is_tracked(v) for v in d.blocks.values())
+    d.apply_kv_event(removed("w1", [11], ms=8))
+    assert d.blocks == {11: (("w2", "gpu", 5),), 12: (("w2", "dram", 7),)}

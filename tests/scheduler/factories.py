@@ -50,6 +50,7 @@ def load(
     link_latency_ms: float | None = None,
     prefill_ms_per_token: float | None = None,
     draining: bool = False,
+    active_tokens: int = 0,
 ) -> LoadReport:
     p = CPU
     return LoadReport(
@@ -57,7 +58,7 @@ def load(
         report_ms=report_ms,
         queue_depth=queue_depth,
         active_requests=active_requests,
-        active_tokens=0,
+        active_tokens=active_tokens,
         queued_prefill_tokens=queued_prefill_tokens,
         tiers=[
             TierUsage("gpu", p.gpu_blocks, p.gpu_blocks),

@@ -234,3 +234,34 @@ def test_draining_holder_is_a_fetch_source_but_never_a_candidate() -> None:
     assert d.assignment is not None
     assert [p.peer_worker for p in d.assignment.fetch] == ["w-0"]
     assert d.assignment.fetch[0].block_hashes == req.block_hashes[:6]
+
+
+def test_equal_estimates_go_to_the_smaller_decode_batch() -> None:
+    # w-0 and w-1 both decode (same one-step wait); w-0's batch holds more tokens
+    def decoding_fleet() -> FleetView:
+        view = FleetView()
+        view.apply_load(load("w-0", active_requests=4, active_tokens=9000))
+        view.apply_load(load("w-1", active_requests=1, active_tokens=300))
+        view.apply_load(load("w-2", active_requests=6, active_tokens=20000))
+        return view
+
+    assert decoding_fleet().least_loaded(2, ["w-0", "w-1", "w-2"]) == ["w-1", "w-0"]
+    view = decoding_fleet()
+    a = Router(view, RouterSettings()).decide(request("r1", prompt(40)), 1000)
+    assert a.assignment is not None and a.assignment.worker_id == "w-1"
+
+
+def test_fetch_from_a_peer_disk_costs_its_read() -> None:
+    view = fleet(2, w_0=BUSY)
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes, tier="gpu"))
+    gpu_src = Router(view, RouterSettings()).decide(req, 1000).candidates
+    view2 = fleet(2, w_0=BUSY)
+    view2.apply_kv_event(stored("w-0", req.block_hashes, tier="disk"))
+    disk_src = Router(view2, RouterSettings()).decide(req, 1000).candidates
+    fetch_gpu = next(c for c in gpu_src if c.worker_id == "w-1")
+    fetch_disk = next(c for c in disk_src if c.worker_id == "w-1")
+    assert fetch_gpu.fetch_blocks == 6
+    # reading 6 blocks from the peer's disk tier comes on top of the link, or recompute wins
+    assert fetch_disk.fetch_blocks == 0 or fetch_disk.transfer_ms > fetch_gpu.transfer_ms
+    assert fetch_disk.ttft_ms > fetch_gpu.ttft_ms

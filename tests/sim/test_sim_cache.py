@@ -31,3 +31,13 @@ def test_access_promotes_and_refreshes() -> None:
     assert changes[1] == ("moved", "dram", "gpu", [2], [])  # 2 was the LRU of the gpu
     assert c.access([3], [2]) == []  # a hit in the gpu only refreshes recency
     assert c.prefix_tiers([9, 1]) == []
+
+
+def test_insert_lands_in_the_named_tier_and_skips_held_blocks() -> None:
+    c = TieredCache(gpu_blocks=2, dram_blocks=2, disk_blocks=0)
+    c.access([1], [0])
+    assert c.insert([1, 2, 3], [0, 1, 2], 1) == [("stored", "dram", None, [2, 3], [1, 2])]
+    assert c.prefix_tiers([1, 2, 3]) == [0, 1, 1]
+    # a tier of capacity 0: straight to the GPU tier
+    g = TieredCache(gpu_blocks=2)
+    assert g.insert([5], [0], 1) == [("stored", "gpu", None, [5], [0])]

@@ -82,3 +82,32 @@ def test_second_turn_reuses_local_blocks() -> None:
     assert (c.reused_tokens, c.fetched_tokens, c.recomputed_tokens) == (4 * BS, 0, 1)
     assert len(w0.finished) == 2
     assert w0.finished[1].first_token_ms > 1000.0
+
+
+def test_fetch_reads_peer_lower_tiers_lands_in_dram_and_is_promoted_at_prefill() -> None:
+    from kvmesh.costmodel import promote_ms, transfer_ms
+
+    tiered = dataclasses.replace(PROFILE, dram_blocks=64)
+    h = _Harness()
+    for w in h.peers.values():
+        w.profile = tiered
+        w.cache = type(w.cache)(tiered.gpu_blocks, tiered.dram_blocks, 0)
+    w0, w1 = h.peers["w0"], h.peers["w1"]
+    req = _request(6, "r1")
+    parents = [0, *req.block_hashes[:5]]
+    w1.cache.insert(req.block_hashes, parents, 1)  # the peer holds all 6 blocks in DRAM
+    w0.assign(_assign(req, "w0", [FetchPlan("w1", w1.address, req.block_hashes, 0)]), 0.0, 0.0)
+    ((t_done, _, _),) = h.calls
+    link = transfer_ms(tiered, 6, tiered.link_gbps, tiered.link_latency_ms)
+    # the peer's DRAM reads, then the link
+    assert t_done == pytest.approx(link + promote_ms(tiered, "dram", 6))
+    h.run()
+    landed = next(m for m, _ in h.sent if isinstance(m, KvEvent) and m.kind == "stored")
+    assert (landed.tier, landed.block_hashes) == ("dram", req.block_hashes)
+    c = next(m for m, _ in h.sent if isinstance(m, Completion))
+    assert c.fetched_tokens == 6 * BS
+    # the prefill iteration promoted the 6 landed blocks before computing the last token
+    first_token = c.ttft_ms
+    assert first_token == pytest.approx(
+        t_done + promote_ms(tiered, "dram", 6) + recompute_ms(tiered, 1, 6 * BS)
+    )

@@ -455,26 +455,50 @@ class Engine:
 
     # ---- calibration -------------------------------------------------------------------------
     @torch.inference_mode()
-    def calibrate(self, short: int = 128, long: int = 512, decode_ctx: int = 256) -> PerfProfile:
-        """Measure this machine: prefill cost per token (a) and per token of context (b) from two prompt
-        lengths, ``t(n) = n * (a + b * n / 2)``, and the time of one decode step."""
+    def calibrate(self, short: int = 256, long: int = 2048, decode_ctx: int = 256) -> PerfProfile:
+        """Measure this machine: prefill cost per token (a) and per token of context (b) fitted over
+        prompt lengths from ``short`` to ``long``, ``t(n) = n * (a + b * n / 2)``, and the time of one
+        decode step. Long enough prompts that the attention term shows above timing noise."""
+        bs = self.layout.block_size
+        # the longest prompt must fit the context and the GPU tier, like any request
+        long = min(long, self.max_context - 64, (self.kv.pool.num_blocks - 2) * bs)
+        short = max(min(short, long // 2), bs)
         gen = torch.Generator().manual_seed(self.cfg.seed)
         vocab = min(self.model_cfg.vocab_size, 256)
+        was_empty = not self.has_work() and not any(self.kv.held_hashes().values())
+        runs = [0]
 
         def timed_prefill(n: int) -> float:
-            toks = torch.randint(0, vocab, (1, n), generator=gen).to(self.device)
-            pos = torch.arange(n, device=self.device)[None]
+            """Time to first token of an n-token prompt through the real engine path (paged KV
+            writes, chunked prefill), which is what the scheduler's estimates must predict."""
             best = float("inf")
             for _ in range(3):  # best of three: the machine may be busy with other processes
+                runs[0] += 1
+                toks = torch.randint(0, vocab, (n,), generator=gen).tolist()
+                ns = b"kvmesh-calibration:%d" % runs[0]  # its own namespace: never a cache hit
+                req = EngineRequest(
+                    request_id=f"calibration-{runs[0]}",
+                    session_id="calibration",
+                    token_ids=toks,
+                    block_hashes=block_hashes(toks, bs, ns),
+                    namespace=ns,
+                    max_tokens=1,
+                )
                 self._sync()
                 t0 = time.perf_counter()
-                self.model(toks, pos, last_only=True)
+                self.add_request(req)
+                while self.has_work():
+                    self.step()
                 self._sync()
                 best = min(best, (time.perf_counter() - t0) * 1e3)
             return best
 
-        timed_prefill(16)  # warm-up (allocator, kernels)
+        timed_prefill(bs * 2)  # warm-up (allocator, kernels)
         a, b = _fit_prefill_cost([(n, timed_prefill(n)) for n in _calibration_lengths(short, long)])
+        # calibration prompts are no one's cache: forget them (and their events) on an idle engine;
+        # on a busy one they stay and age out by LRU like any unused block
+        if was_empty:
+            self.kv.clear()
 
         toks = torch.randint(0, vocab, (1, decode_ctx), generator=gen).to(self.device)
         _, kv = self.model(toks, torch.arange(decode_ctx, device=self.device)[None])

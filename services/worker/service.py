@@ -134,22 +134,8 @@ class WorkerService:
         from services.worker.transfer import BlockClient, BlockServer, TransferMetrics
 
         s = self.settings
-        cfg = EngineConfig(
-            model=s.model,
-            checkpoint=s.checkpoint,
-            device=s.device,
-            dtype=s.dtype,
-            block_size=s.block_size,
-            gpu_blocks=s.gpu_blocks,
-            dram_blocks=s.dram_blocks,
-            disk_blocks=s.disk_blocks,
-            disk_dir=s.disk_dir,
-            max_batch=s.max_batch,
-            max_context=s.max_context,
-            prefill_chunk=s.prefill_chunk,
-            seed=s.seed,
-            worker_id=s.worker_id,
-        )
+        # The worker's settings carry every engine field under the same name (env-readable there).
+        cfg = EngineConfig(**{f.name: getattr(s, f.name) for f in dataclasses.fields(EngineConfig)})
         self.engine = await asyncio.to_thread(Engine, cfg)
         if s.calibrate:
             self._profile = await asyncio.to_thread(self.engine.calibrate)

@@ -19,6 +19,7 @@ import pytest
 
 from kvmesh.devstack import DevStack, DevStackSettings
 from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
+from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import DrainCommand, SamplingParams
 from services.worker.engine import Engine, EngineConfig, EngineRequest
 from streams import topics
@@ -40,35 +41,38 @@ def stack() -> Iterator[DevStack]:
         yield s
 
 
-def _reference_answers() -> list[str]:
-    """Each turn computed from scratch on one fresh engine (no cache reuse across turns)."""
+def _greedy_from_scratch(messages: list[ChatMessage], max_tokens: int) -> str:
+    """The answer a single fresh engine gives with nothing cached (the reference for every turn)."""
     tok = ByteTokenizer()
+    ids = render_chat(tok, messages)
+    ns = tenant_namespace("default")
+    engine = Engine(EngineConfig(gpu_blocks=256, dram_blocks=0))
+    engine.add_request(
+        EngineRequest(
+            request_id="ref",
+            session_id="ref",
+            token_ids=ids,
+            block_hashes=block_hashes(ids, 16, ns),
+            namespace=ns,
+            max_tokens=max_tokens,
+            sampling=SamplingParams(),
+            stop_token_ids=[],
+        )
+    )
+    out: list[int] = []
+    while engine.has_work():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    return tok.decode([t for t in out if t < 256])
+
+
+def _reference_answers() -> list[str]:
+    """Each turn of the conversation computed from scratch (no cache reuse across turns)."""
     answers: list[str] = []
     history = [ChatMessage("system", SYSTEM)]
-    for i, q in enumerate(QUESTIONS):
+    for q in QUESTIONS:
         history.append(ChatMessage("user", q))
-        engine = Engine(EngineConfig(gpu_blocks=256, dram_blocks=0))
-        ids = render_chat(tok, history)
-        from schemas.blocks import block_hashes, tenant_namespace
-
-        ns = tenant_namespace("default")
-        engine.add_request(
-            EngineRequest(
-                request_id=f"ref-{i}",
-                session_id="ref",
-                token_ids=ids,
-                block_hashes=block_hashes(ids, 16, ns),
-                namespace=ns,
-                max_tokens=MAX_TOKENS,
-                sampling=SamplingParams(),
-                stop_token_ids=[],
-            )
-        )
-        out: list[int] = []
-        while engine.has_work():
-            for o in engine.step():
-                out.extend(o.new_token_ids)
-        text = tok.decode([t for t in out if t < 256])
+        text = _greedy_from_scratch(history, MAX_TOKENS)
         answers.append(text)
         history.append(ChatMessage("assistant", text))
     return answers
@@ -152,7 +156,7 @@ def test_three_turns_reuse_then_fetch_from_peer_then_survive_a_killed_worker(sta
     asyncio.run(_undrain(stack, first_worker))
     time.sleep(1.5)
     long_msgs = [{"role": "user", "content": "Tell a long story about caches."}]
-    want = _reference_long(long_msgs[0]["content"])
+    want = _greedy_from_scratch([ChatMessage("user", long_msgs[0]["content"])], LONG_TOKENS)
     body = {
         "model": "kvmesh-tiny",
         "messages": long_msgs,
@@ -181,32 +185,6 @@ def test_three_turns_reuse_then_fetch_from_peer_then_survive_a_killed_worker(sta
 
 
 LONG_TOKENS = 1200
-
-
-def _reference_long(content: str) -> str:
-    tok = ByteTokenizer()
-    ids = render_chat(tok, [ChatMessage("user", content)])
-    from schemas.blocks import block_hashes, tenant_namespace
-
-    ns = tenant_namespace("default")
-    engine = Engine(EngineConfig(gpu_blocks=256, dram_blocks=0))
-    engine.add_request(
-        EngineRequest(
-            request_id="ref-long",
-            session_id="ref",
-            token_ids=ids,
-            block_hashes=block_hashes(ids, 16, ns),
-            namespace=ns,
-            max_tokens=LONG_TOKENS,
-            sampling=SamplingParams(),
-            stop_token_ids=[],
-        )
-    )
-    out: list[int] = []
-    while engine.has_work():
-        for o in engine.step():
-            out.extend(o.new_token_ids)
-    return tok.decode([t for t in out if t < 256])
 
 
 async def _undrain(stack: DevStack, worker_id: str) -> None:

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_blocks=args.gpu_blocks,
         dram_blocks=args.dram_blocks,
         log_level=args.log_level,
+        api_keys=args.api_keys,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
+        # One Ctrl-C is enough: a second one (or a SIGTERM) must not cut the orderly stop short and
+        # leave services running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.stderr.write("stopping kvmesh dev...\n")
     return 0
 
 

@@ -256,20 +256,25 @@ class DevStack:
         self._started = False
         # Intake first (no new work), workers next (they announce their blocks are gone), the rest last.
         order = ["intake", *[n for n in self.children if n.startswith("worker-")], "scheduler", "kvmanager"]
-        for name in order:
-            child = self.children.get(name)
-            if child is not None:
-                child.terminate()
-        for name in order:
-            child = self.children.get(name)
-            if child is not None and not child.wait(10):
+        try:
+            for name in order:
+                child = self.children.get(name)
+                if child is not None:
+                    child.terminate()
+            for name in order:
+                child = self.children.get(name)
+                if child is not None and not child.wait(10):
+                    child.kill()
+                    child.wait(5)
+        finally:
+            # whatever interrupted the orderly stop, no service outlives the stack
+            for child in self.children.values():
                 child.kill()
-                child.wait(5)
-        self.children.clear()
-        for server in (self.redis, self.broker):
-            if server is not None:
-                with contextlib.suppress(Exception):
-                    server.stop()
+            self.children.clear()
+            for server in (self.redis, self.broker):
+                if server is not None:
+                    with contextlib.suppress(Exception):
+                        server.stop()
 
 
 def _free_port() -> int:

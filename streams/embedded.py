@@ -90,8 +90,14 @@ class _ChildProcess:
         fd, path = tempfile.mkstemp(prefix=f"kvmesh-{self.name}-", suffix=".log")
         self.log_path = Path(path)
         self._log_file = os.fdopen(fd, "wb")
+        # A session of its own: a Ctrl-C in the terminal reaches only the process that started it,
+        # which stops it last, after the services that still need it have shut down.
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def log_tail(self, lines: int = 30) -> str:

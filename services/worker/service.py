@@ -220,12 +220,15 @@ class WorkerService:
         for rid in list(self._running):
             await self._finish_error(rid, "worker shutting down")
         if self.engine is not None and self._producer is not None:
-            # Graceful shutdown: tell the fleet our blocks are gone.
-            with contextlib.suppress(Exception):
-                events = self.engine.release_all()
-                for ev in events:
+            # Graceful shutdown: tell the fleet our blocks are gone (bounded: if the broker is already
+            # gone, the KV manager's liveness check drops our blocks instead).
+            async def farewell() -> None:
+                for ev in self.engine.release_all():
                     await self._producer.send(topics.KV_EVENTS, ev)
                 await self._publish_load(force=True, draining=True)
+
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(farewell(), timeout=3.0)
         for c in (self._assignments, self._control, self._fleet_state):
             if c is not None:
                 with contextlib.suppress(Exception):

@@ -88,7 +88,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Envelope:
         raise UnknownVersion(f"{schema} version {version} not readable (reads {readable_versions(cls)})")
     try:
         # The payload is fresh from unpackb and held by nobody else: the message may keep its lists.
-        message = from_owned_plain(cls, payload, schema)
+        message: Any = from_owned_plain(cls, payload, schema)
     except InvalidPayload:
         raise
     except RecursionError as exc:

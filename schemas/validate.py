@@ -117,7 +117,7 @@ def _checked_from_plain(cls: type[T], value: Any, path: str) -> T:
     if not isinstance(value, dict):
         _fail(path, f"map for {cls.__name__}", value)
     kwargs: dict[str, Any] = {}
-    for name, conv, required in _fields(cls):
+    for name, conv, required in _fields(typing.cast(type, cls)):
         if name in value:
             kwargs[name] = conv(value[name], f"{path}.{name}")
         elif required:
@@ -147,7 +147,7 @@ def from_owned_plain(cls: type[T], value: Any, path: str = "payload") -> T:
 
 def _from_plain(cls: type[T], value: Any, path: str, copy: bool) -> T:
     try:
-        return typing.cast(T, _fast_decoder(cls, copy)(value))
+        return typing.cast(T, _fast_decoder(typing.cast(type, cls), copy)(value))
     except (_Reject, KeyError, TypeError, ValueError):
         # Something is not exactly as the fast path wants it: the reference decoder either accepts
         # it (e.g. an int subclass) or raises InvalidPayload with the path of the bad field.

@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 PY="${PYTHON:-python3}"
 "$PY" -m ruff check .
+"$PY" -m mypy --no-error-summary
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

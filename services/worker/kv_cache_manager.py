@@ -330,7 +330,7 @@ class KvCacheManager:
             self._reads.setdefault(block_hash, []).append(pin)
             if t.device.type != "cpu":
                 t = t.cpu()
-            return m.tier, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            return m.tier, t.reshape(-1).view(torch.uint8).numpy().data
 
     def release_read(self, block_hash: int) -> None:
         with self._lock:

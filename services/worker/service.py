@@ -29,6 +29,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from schemas.messages import (
     Assignment,
@@ -50,6 +51,11 @@ from streams import topics
 from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
 from streams.producer import TypedProducer, partition_for
+
+if TYPE_CHECKING:
+    from kvmesh.costmodel import PerfProfile
+    from services.worker.engine import Engine, RequestStats, StepOutput
+    from services.worker.transfer import BlockClient, BlockServer
 
 log = logging.getLogger("kvmesh.worker")
 
@@ -73,7 +79,7 @@ class _Running:
     fallback: str | None = None
     first_token_ms: float | None = None
     prefill_ms: float = 0.0
-    stats: object | None = None
+    stats: RequestStats | None = None
     output: list[int] = field(default_factory=list)
     text_sent: int = 0
 
@@ -84,9 +90,10 @@ class WorkerService:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
-        self.engine = None  # type: ignore[var-annotated]
-        self._profile = None  # type: ignore[var-annotated]
-        self._producer: TypedProducer | None = None
+        # Built in start() (the engine loads a model, off the constructor's path); None until then.
+        self.engine: Engine = None  # type: ignore[assignment]
+        self._profile: PerfProfile | None = None
+        self._producer: TypedProducer = None  # type: ignore[assignment]
         self._assignments: TypedConsumer | None = None
         self._control: TypedConsumer | None = None
         self._fleet_state: TypedConsumer | None = None
@@ -94,8 +101,8 @@ class WorkerService:
         # One publisher of KV events at a time, each draining under it: the fleet then sees this
         # worker's events in the order they happened (a re-announce cannot overtake a removal).
         self._kv_publish = asyncio.Lock()
-        self._server = None  # type: ignore[var-annotated]
-        self._client = None  # type: ignore[var-annotated]
+        self._server: BlockServer | None = None
+        self._client: BlockClient | None = None
         self.transfer_address = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
@@ -316,6 +323,7 @@ class WorkerService:
             hashes = plan.block_hashes[skip:]
             start = plan.first_block + skip
             parents = [req.block_hashes[i - 1] if i > 0 else 0 for i in range(start, start + len(hashes))]
+            assert self._client is not None  # _admit only fetches when the client exists
             result = await self._client.fetch(
                 plan.peer_address, hashes, parents, req.namespace, self.engine.kv, peer_id=self.worker_id
             )
@@ -394,16 +402,16 @@ class WorkerService:
             await self._publish_kv_events()
             await self._publish_load()
 
-    async def _handle_output(self, out: object) -> None:
-        entry = self._running.get(out.request_id)  # type: ignore[attr-defined]
+    async def _handle_output(self, out: StepOutput) -> None:
+        entry = self._running.get(out.request_id)
         if entry is None:
             return
         req = entry.request
-        if out.first_token and entry.first_token_ms is None:  # type: ignore[attr-defined]
+        if out.first_token and entry.first_token_ms is None:
             entry.first_token_ms = (time.perf_counter() - entry.started) * 1e3
-        if out.stats is not None:  # type: ignore[attr-defined]
-            entry.stats = out.stats  # type: ignore[attr-defined]
-        new = list(out.new_token_ids)  # type: ignore[attr-defined]
+        if out.stats is not None:
+            entry.stats = out.stats
+        new = list(out.new_token_ids)
         if new:
             index = len(entry.output)
             entry.output.extend(new)
@@ -414,9 +422,9 @@ class WorkerService:
                     request_id=req.request_id, worker_id=self.worker_id, index=index, token_ids=new, text=text
                 ),
             )
-        if out.finished:  # type: ignore[attr-defined]
+        if out.finished:
             self._running.pop(req.request_id, None)
-            reason = out.finish_reason or "stop"  # type: ignore[attr-defined]
+            reason = out.finish_reason or "stop"
             if reason == "error":
                 self.metrics["errors"] += 1
             else:

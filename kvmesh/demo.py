@@ -13,6 +13,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,13 +69,20 @@ async def _chat(
 
 
 async def run_demo(
-    url: str, users: int, turns: int, max_tokens: int, api_key: str | None
+    url: str,
+    users: int,
+    turns: int,
+    max_tokens: int,
+    api_key: str | None,
+    before_turn: Callable[[int], None] | None = None,
 ) -> list[TurnResult]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results: list[TurnResult] = []
     histories = {u: [{"role": "system", "content": SYSTEM_PROMPT}] for u in range(users)}
     async with httpx.AsyncClient(timeout=120.0) as client:
         for turn in range(turns):
+            if before_turn is not None:
+                await asyncio.to_thread(before_turn, turn + 1)
 
             async def one(u: int, turn: int = turn) -> None:
                 hist = histories[u]
@@ -142,11 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--no-drain", action="store_true", help="with --embedded: do not drain worker-0 before the last turn"
+    )
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = p.parse_args(argv)
 
-    def go(url: str) -> list[TurnResult]:
-        return asyncio.run(run_demo(url, args.users, args.turns, args.max_tokens, args.api_key))
+    def go(url: str, before_turn: Callable[[int], None] | None = None) -> list[TurnResult]:
+        return asyncio.run(run_demo(url, args.users, args.turns, args.max_tokens, args.api_key, before_turn))
 
     if args.embedded:
         from kvmesh.devstack import DevStack, DevStackSettings
@@ -162,7 +173,17 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(
                 f"stack up at {stack.intake_url}; running {args.users} users x {args.turns} turns\n"
             )
-            results = go(stack.intake_url)
+
+            def drain_before_last(turn: int) -> None:
+                # Maintenance on worker-0: it takes no new work but still serves its KV blocks, so
+                # its users' last turn runs elsewhere by fetching their history, not recomputing it.
+                if turn == args.turns and turn > 1 and args.workers > 1 and not args.no_drain:
+                    sys.stderr.write(
+                        f"turn {turn}: draining worker-0 (its sessions move, fetching their KV)\n"
+                    )
+                    stack.set_drain("worker-0", True, reason="demo")
+
+            results = go(stack.intake_url, drain_before_last)
     else:
         results = go(args.url)
     sys.stdout.write(format_table(results) + "\n")

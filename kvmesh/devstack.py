@@ -197,6 +197,35 @@ class DevStack:
         """Start a (killed) worker again under the same id."""
         self._spawn(worker_id, ["-m", "services.worker", "--worker-id", worker_id])
 
+    def set_drain(self, worker_id: str, drain: bool = True, reason: str = "operator") -> None:
+        """Drain (or undrain) a worker and return once its LoadReport says so, plus a moment for the
+        scheduler, which reads the same topic. A drained worker takes no new requests but keeps
+        serving its KV blocks, so its sessions move to other workers by fetching, not recomputing."""
+        asyncio.run(self._set_drain(worker_id, drain, reason))
+
+    async def _set_drain(self, worker_id: str, drain: bool, reason: str) -> None:
+        from schemas.messages import DrainCommand, LoadReport
+        from streams import topics
+        from streams.consumer import TypedConsumer
+        from streams.producer import TypedProducer
+
+        loads = TypedConsumer(self.kafka, [topics.LOAD], group_id=None, from_beginning=False, dedup=False)
+        await loads.start()
+        try:
+            async with TypedProducer(self.kafka, f"kvmesh-dev-operator-{int(drain)}") as p:
+                await p.send(topics.CONTROL, DrainCommand(worker_id=worker_id, drain=drain, reason=reason))
+            async with asyncio.timeout(30):
+                seen = False
+                while not seen:
+                    for rec in await loads.getmany(timeout_ms=200):
+                        m = rec.message
+                        seen = seen or (
+                            isinstance(m, LoadReport) and m.worker_id == worker_id and m.draining == drain
+                        )
+        finally:
+            await loads.stop()
+        await asyncio.sleep(0.5)
+
     def kill(self, name: str) -> None:
         """Kill a service process at once (SIGKILL): a crash, for fault tests."""
         child = self.children[name]

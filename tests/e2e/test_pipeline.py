@@ -9,7 +9,6 @@ answering from the survivor.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 
@@ -19,11 +18,8 @@ import pytest
 from kvmesh.devstack import DevStack, DevStackSettings
 from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
-from schemas.messages import DrainCommand, LoadReport, SamplingParams
+from schemas.messages import SamplingParams
 from services.worker.engine import Engine, EngineConfig, EngineRequest
-from streams import topics
-from streams.consumer import TypedConsumer
-from streams.producer import TypedProducer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -109,27 +105,6 @@ def _chat(
     return data["choices"][0]["message"]["content"], data, r.headers
 
 
-async def _set_drain(stack: DevStack, worker_id: str, drain: bool) -> None:
-    """Publish a DrainCommand, then wait until the worker's LoadReport says so (plus a moment for
-    the scheduler, which reads the same topic)."""
-    loads = TypedConsumer(stack.kafka, [topics.LOAD], group_id=None, from_beginning=False, dedup=False)
-    await loads.start()
-    try:
-        async with TypedProducer(stack.kafka, f"test-operator-{int(drain)}") as p:
-            await p.send(topics.CONTROL, DrainCommand(worker_id=worker_id, drain=drain, reason="e2e test"))
-        async with asyncio.timeout(30):
-            seen = False
-            while not seen:
-                for rec in await loads.getmany(timeout_ms=200):
-                    m = rec.message
-                    seen = seen or (
-                        isinstance(m, LoadReport) and m.worker_id == worker_id and m.draining == drain
-                    )
-    finally:
-        await loads.stop()
-    await asyncio.sleep(0.5)
-
-
 def test_three_turns_reuse_then_fetch_from_peer_then_survive_a_killed_worker(stack: DevStack) -> None:
     expected = _reference_answers()
     url = stack.intake_url
@@ -155,7 +130,7 @@ def test_three_turns_reuse_then_fetch_from_peer_then_survive_a_killed_worker(sta
     history.append({"role": "assistant", "content": a2})
 
     # turn 3 (streamed): the first worker drains, so the other one serves it by fetching the blocks
-    asyncio.run(_set_drain(stack, first_worker, True))
+    stack.set_drain(first_worker, True, reason="e2e test")
     history.append({"role": "user", "content": QUESTIONS[2]})
     a3, d3, h3 = _chat(url, history, stream=True)
     assert a3 == expected[2]
@@ -167,7 +142,7 @@ def test_three_turns_reuse_then_fetch_from_peer_then_survive_a_killed_worker(sta
 
     # a worker killed outright in the middle of a request: the fleet declares it lost, the
     # scheduler re-decides the orphaned request, and the client still gets the whole, correct answer
-    asyncio.run(_set_drain(stack, first_worker, False))
+    stack.set_drain(first_worker, False, reason="e2e test")
     long_msgs = [{"role": "user", "content": "Tell a long story about caches."}]
     want = _greedy_from_scratch([ChatMessage("user", long_msgs[0]["content"])], LONG_TOKENS)
     body = {

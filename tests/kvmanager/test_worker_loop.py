@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from fleet_helpers import BS, NS, block_tokens, chat_request, wait_for
 
-from kvmesh.tokenizer import ByteTokenizer
-from schemas.blocks import block_hashes, tenant_namespace
+from schemas.blocks import block_hashes
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.service import KvManagerService
@@ -27,37 +27,6 @@ from streams.producer import TypedProducer
 from streams.settings import KafkaSettings, RedisSettings
 
 pytestmark = pytest.mark.integration
-
-TOK = ByteTokenizer()
-NS = tenant_namespace("acme")
-BS = 16
-
-
-def _tokens(text: str, blocks: int) -> list[int]:
-    ids = TOK.encode(text)
-    while len(ids) < blocks * BS:
-        ids = ids + ids
-    return ids[: blocks * BS]
-
-
-def _request(rid: str, session: str, tokens: list[int]) -> ChatRequest:
-    return ChatRequest(
-        request_id=rid,
-        session_id=session,
-        tenant="acme",
-        token_ids=tokens,
-        block_hashes=block_hashes(tokens, BS, NS),
-        block_size=BS,
-        max_tokens=4,
-        arrival_ms=now_ms(),
-        namespace=NS,
-    )
-
-
-async def wait_for(pred: Callable[[], Any], timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not pred():
-            await asyncio.sleep(0.05)
 
 
 class Stack:
@@ -140,21 +109,23 @@ async def stack(kafka_settings: KafkaSettings, redis_settings: RedisSettings) ->
 async def test_retain_hint_keeps_a_returning_sessions_blocks_under_pressure(stack: Stack) -> None:
     await stack.start({"worker-a": {"gpu_blocks": 16, "dram_blocks": 8}})  # no disk: evicted = gone
     a = stack.workers["worker-a"]
-    turn1 = _tokens("0: the returning session's first turn. ", 5)
+    turn1 = block_tokens("0: the returning session's first turn. ", 5)
     hs = block_hashes(turn1, BS, NS)
-    await stack.serve(_request("s-1", "sess-s", turn1), "worker-a")
+    await stack.serve(chat_request("s-1", turn1, session="sess-s"), "worker-a")
     await wait_for(lambda: stack.listed("worker-a", hs))
     # Turn 2 of the session reaches the manager: A holds its prefix, so A is told to retain it.
-    turn2 = turn1 + _tokens("1: and the second turn. ", 2)
-    await stack.producer.send(topics.REQUESTS, _request("s-2", "sess-s", turn2))
+    turn2 = turn1 + block_tokens("1: and the second turn. ", 2)
+    await stack.producer.send(topics.REQUESTS, chat_request("s-2", turn2, session="sess-s"))
     await wait_for(lambda: all(a.engine.kv.is_retained(h) for h in hs))
     assert stack.manager.published["retain_hint"] == 1
 
     # A one-turn session after it, then 25 blocks of pressure: 11 of these 35 blocks must go.
-    other = _tokens("2: a session that never comes back. ", 5)
-    await stack.serve(_request("t-1", "sess-t", other), "worker-a")
+    other = block_tokens("2: a session that never comes back. ", 5)
+    await stack.serve(chat_request("t-1", other, session="sess-t"), "worker-a")
     for i in range(5):
-        await stack.serve(_request(f"p-{i}", f"sess-p{i}", _tokens(f"{i + 3}: pressure. ", 5)), "worker-a")
+        await stack.serve(
+            chat_request(f"p-{i}", block_tokens(f"{i + 3}: pressure. ", 5), session=f"sess-p{i}"), "worker-a"
+        )
     kv = a.engine.kv
     assert all(kv.tier_of(h) is not None for h in hs)  # oldest in LRU order, but retained
     assert [kv.tier_of(h) for h in block_hashes(other, BS, NS)] == [None] * 5  # dropped instead
@@ -164,17 +135,17 @@ async def test_retain_hint_keeps_a_returning_sessions_blocks_under_pressure(stac
 async def test_hot_system_prompt_on_one_worker_is_replicated_to_another(stack: Stack) -> None:
     await stack.start({"worker-a": {}, "worker-b": {}})
     b = stack.workers["worker-b"]
-    system = _tokens("You are the shared assistant of a replication test. ", 5)
+    system = block_tokens("You are the shared assistant of a replication test. ", 5)
     shared = block_hashes(system, BS, NS)
     for i in range(4):  # hot_min_sessions (4) distinct sessions, all sent to A
-        prompt = system + _tokens(f"{i}: user {i} asks something. ", 2)
-        await stack.serve(_request(f"r-{i}", f"sess-{i}", prompt), "worker-a")
+        prompt = system + block_tokens(f"{i}: user {i} asks something. ", 2)
+        await stack.serve(chat_request(f"r-{i}", prompt, session=f"sess-{i}"), "worker-a")
     await wait_for(lambda: stack.listed("worker-b", shared))
     assert b.engine.lookup_prefix(shared) == 5 and b.metrics["replications"] >= 1
     assert stack.listed("worker-a", shared)
     assert stack.manager.published["replicate_command"] >= 1
     # Only the hot prefix travelled: the sessions' own blocks stay on A alone.
-    own = block_hashes(system + _tokens("0: user 0 asks something. ", 2), BS, NS)[5:]
+    own = block_hashes(system + block_tokens("0: user 0 asks something. ", 2), BS, NS)[5:]
     assert b.engine.lookup_prefix(own) == 0
 
 
@@ -183,9 +154,12 @@ async def test_worker_declared_lost_while_alive_reannounces_its_blocks(
 ) -> None:
     await stack.start({"worker-a": {}, "worker-b": {}})
     a, b = stack.workers["worker-a"], stack.workers["worker-b"]
-    hs = block_hashes(_tokens("Blocks that survive a pause of their worker. ", 6), BS, NS)
+    hs = block_hashes(block_tokens("Blocks that survive a pause of their worker. ", 6), BS, NS)
     await stack.serve(
-        _request("r-1", "sess-1", _tokens("Blocks that survive a pause of their worker. ", 6)), "worker-a"
+        chat_request(
+            "r-1", block_tokens("Blocks that survive a pause of their worker. ", 6), session="sess-1"
+        ),
+        "worker-a",
     )
     await wait_for(lambda: stack.listed("worker-a", hs) and all(b.fleet.copies(h) == 1 for h in hs))
 

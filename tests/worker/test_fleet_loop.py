@@ -5,60 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fleet_helpers import BS, NS, assignment, block_tokens, chat_request, wait_for
 
-from kvmesh.tokenizer import ByteTokenizer
-from schemas.blocks import block_hashes, tenant_namespace
-from schemas.messages import Assignment, ChatRequest, Completion, Estimate, KvEvent, ReplicateCommand
+from schemas.blocks import block_hashes
+from schemas.messages import Assignment, Completion, KvEvent, ReplicateCommand
 from services.worker.config import WorkerSettings
 from services.worker.service import WorkerService
 from streams import topics
-from streams.clock import now_ms
 from streams.consumer import TypedConsumer
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings
 
 pytestmark = pytest.mark.integration
-
-TOK = ByteTokenizer()
-NS = tenant_namespace("acme")
-BS = 16
-
-
-def _tokens(text: str, blocks: int) -> list[int]:
-    """Exactly ``blocks`` full blocks of tokens of ``text`` (repeated as needed)."""
-    ids = TOK.encode(text)
-    while len(ids) < blocks * BS:
-        ids = ids + ids
-    return ids[: blocks * BS]
-
-
-def _request(rid: str, tokens: list[int], max_tokens: int = 4) -> ChatRequest:
-    return ChatRequest(
-        request_id=rid,
-        session_id=f"s-{rid}",
-        tenant="acme",
-        token_ids=tokens,
-        block_hashes=block_hashes(tokens, BS, NS),
-        block_size=BS,
-        max_tokens=max_tokens,
-        arrival_ms=now_ms(),
-        namespace=NS,
-    )
-
-
-def _assign(req: ChatRequest, worker: str, reuse: int = 0) -> Assignment:
-    return Assignment(
-        request=req,
-        worker_id=worker,
-        reuse_blocks=reuse,
-        prefill_tokens=len(req.token_ids) - reuse * BS,
-        estimate=Estimate(ttft_ms=1.0, queue_ms=0.0, recompute_ms=1.0, transfer_ms=0.0, policy="test"),
-    )
 
 
 class Fleet:
@@ -117,12 +80,6 @@ class Fleet:
             await w.stop()
 
 
-async def wait_for(pred: Callable[[], Any], timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not pred():
-            await asyncio.sleep(0.05)
-
-
 @pytest.fixture
 async def fleet(kafka_settings: KafkaSettings) -> AsyncIterator[Fleet]:
     f = Fleet(kafka_settings)
@@ -139,20 +96,20 @@ async def test_under_pressure_a_block_held_elsewhere_is_dropped_and_last_copies_
         ["worker-a", "worker-b"], gpu_blocks=16, dram_blocks=8, disk_blocks=64, disk_dir=str(tmp_path)
     )
     a, b = fleet.workers["worker-a"], fleet.workers["worker-b"]
-    shared = _tokens("A system prompt both workers serve. ", 5)
-    only_a = _tokens("Something only worker A has computed. ", 5)
+    shared = block_tokens("A system prompt both workers serve. ", 5)
+    only_a = block_tokens("Something only worker A has computed. ", 5)
     hs, ha = block_hashes(shared, BS, NS), block_hashes(only_a, BS, NS)
-    await fleet.run(_assign(_request("shared-a", shared), "worker-a"))
-    await fleet.run(_assign(_request("only-a", only_a), "worker-a"))
-    await fleet.run(_assign(_request("shared-b", shared), "worker-b"))
+    await fleet.run(assignment(chat_request("shared-a", shared), "worker-a"))
+    await fleet.run(assignment(chat_request("only-a", only_a), "worker-a"))
+    await fleet.run(assignment(chat_request("shared-b", shared), "worker-b"))
     # A learns B's copies from B's kv-events; B's view counts A's copies the same way.
     await wait_for(lambda: all(a.fleet.copies(h) == 1 for h in hs))
     assert all(a.fleet.copies(h) == 0 for h in ha) and all(b.fleet.copies(h) == 1 for h in ha + hs)
 
     # 25 more blocks: A's GPU (16) and DRAM (8) cannot keep them next to the 10 it has.
-    pressure = [_tokens(f"{i}: a pressure prompt. ", 5) for i in range(5)]
+    pressure = [block_tokens(f"{i}: a pressure prompt. ", 5) for i in range(5)]
     for i, p in enumerate(pressure):
-        await fleet.run(_assign(_request(f"p{i}", p), "worker-a"))
+        await fleet.run(assignment(chat_request(f"p{i}", p), "worker-a"))
     kv = a.engine.kv
     assert [kv.tier_of(h) for h in hs] == [None] * 5  # held by B: dropped first
     last_copies = ha + [h for p in pressure for h in block_hashes(p, BS, NS)]
@@ -171,9 +128,9 @@ async def test_under_pressure_a_block_held_elsewhere_is_dropped_and_last_copies_
 async def test_replicate_command_pulls_blocks_that_a_request_then_reuses(fleet: Fleet) -> None:
     await fleet.start(["worker-a", "worker-b"])
     a, b = fleet.workers["worker-a"], fleet.workers["worker-b"]
-    prompt = _tokens("A long shared system prompt for the replication test. ", 6)
+    prompt = block_tokens("A long shared system prompt for the replication test. ", 6)
     h = block_hashes(prompt, BS, NS)
-    ref = await fleet.run(_assign(_request("src", prompt, max_tokens=8), "worker-a"))
+    ref = await fleet.run(assignment(chat_request("src", prompt, max_tokens=8), "worker-a"))
     assert a.engine.lookup_prefix(h) == 6 and b.engine.lookup_prefix(h) == 0
 
     cmd = ReplicateCommand(
@@ -189,7 +146,7 @@ async def test_replicate_command_pulls_blocks_that_a_request_then_reuses(fleet: 
     assert b.engine.lookup_prefix(h) == 6 and b.metrics["replications"] == 1
     assert {b.engine.kv.tier_of(x) for x in h} == {"dram"}
 
-    c = await fleet.run(_assign(_request("on-b", prompt, max_tokens=8), "worker-b", reuse=6))
+    c = await fleet.run(assignment(chat_request("on-b", prompt, max_tokens=8), "worker-b", reuse=6))
     assert c.worker_id == "worker-b" and c.fallback is None
     assert c.reused_tokens >= 5 * BS and c.fetched_tokens == 0 and c.recomputed_tokens <= BS
     assert c.output_token_ids == ref.output_token_ids  # the pulled KV is the KV A computed

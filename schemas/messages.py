@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from schemas.token_ids import PackedTokenIds, TokenIds
+
 # Tier names, fastest first. The order is the demotion order of a worker's KV cache.
 Tier = Literal["gpu", "dram", "disk"]
 TIERS: tuple[str, ...] = ("gpu", "dram", "disk")
@@ -45,12 +47,14 @@ class ChatRequest:
     """
 
     SCHEMA: ClassVar[str] = "chat_request"
-    VERSION: ClassVar[int] = 1
+    #: 2: ``token_ids`` travel packed (schemas.token_ids); version-1 records (int arrays) still decode.
+    VERSION: ClassVar[int] = 2
+    READS: ClassVar[tuple[int, ...]] = (1, 2)
 
     request_id: str
     session_id: str
     tenant: str
-    token_ids: list[int]
+    token_ids: PackedTokenIds
     block_hashes: list[int]
     block_size: int
     max_tokens: int
@@ -64,6 +68,9 @@ class ChatRequest:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if type(self.token_ids) is not TokenIds:
+            # frozen: the one place the field is set after __init__; ValueError for ids outside uint32
+            object.__setattr__(self, "token_ids", TokenIds(self.token_ids))
         if not self.request_id or not self.session_id:
             raise ValueError("request_id and session_id must be non-empty")
         if self.block_size <= 0:

@@ -4,6 +4,10 @@ Each message type is a frozen dataclass. A converter is built once per class fro
 checks every field on decode: required fields present, exact types (``bool`` is not an ``int``), and
 nested messages converted recursively. Unknown fields are skipped so that an old reader can read a
 newer writer's records (schema evolution: new fields are appended with defaults, never retyped).
+
+A field typed :data:`~schemas.token_ids.PackedTokenIds` travels as ``bin`` (packed uint32) and
+decodes to a :class:`~schemas.token_ids.TokenIds`; a plain int array (what a version-1 writer sent)
+is still accepted and checked element by element.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import types
 import typing
 from collections.abc import Callable
 from functools import cache
-from typing import Any, TypeVar, Union
+from typing import Annotated, Any, TypeVar, Union
 
 from schemas.errors import InvalidPayload
+from schemas.token_ids import PACKED_U32, TokenIds
 
 T = TypeVar("T")
 
@@ -43,10 +48,32 @@ def _scalar(kind: type) -> Converter:
     return conv
 
 
+def _packed(hint: Any) -> bool:
+    """Whether ``hint`` is ``Annotated[..., PACKED_U32]``."""
+    return typing.get_origin(hint) is Annotated and any(m is PACKED_U32 for m in hint.__metadata__)
+
+
+def _token_ids(value: Any, path: str) -> TokenIds:
+    if type(value) is TokenIds:
+        return value
+    if isinstance(value, bytes | bytearray):
+        try:
+            return TokenIds.from_bytes(bytes(value))
+        except ValueError as exc:
+            raise InvalidPayload(f"{path}: {exc}") from exc
+    ints = _converter(list[int])(value, path)
+    try:
+        return TokenIds(ints)
+    except ValueError as exc:
+        raise InvalidPayload(f"{path}: {exc}") from exc
+
+
 def _converter(hint: Any) -> Converter:
     origin = typing.get_origin(hint)
     if hint is Any:
         return lambda v, p: v
+    if origin is Annotated:
+        return _token_ids if _packed(hint) else _converter(typing.get_args(hint)[0])
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
         optional = type(None) in args
@@ -104,7 +131,7 @@ def _converter(hint: Any) -> Converter:
 
 @cache
 def _fields(cls: type) -> tuple[tuple[str, Converter, bool], ...]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -162,6 +189,8 @@ def to_plain(obj: Any) -> Any:
 
 
 def _generic_to_plain(obj: Any) -> Any:
+    if type(obj) is TokenIds:
+        return obj.to_bytes()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _generic_to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, list | tuple):
@@ -225,6 +254,15 @@ def _emit_check(g: _Gen, hint: Any, var: str, indent: int, copy: bool) -> None:
     if hint in _SCALARS:
         g.emit(indent, f"if type({var}) is not {g.bind(hint, 't')}: raise _Reject")
         return
+    if origin is Annotated:
+        if not _packed(hint):
+            _emit_check(g, typing.get_args(hint)[0], var, indent, copy)
+            return
+        # Only the packed form is taken here; a bad length raises ValueError, and an int array (a
+        # version-1 record) goes to the reference decoder.
+        g.emit(indent, f"if type({var}) is not bytes: raise _Reject")
+        g.emit(indent, f"{var} = {g.bind(TokenIds.from_bytes, 'packed')}({var})")
+        return
     if hint is float:
         # Like the reference decoder: an int is accepted for a float field (bool is not: type is bool).
         g.emit(indent, f"if type({var}) is not float:")
@@ -272,7 +310,7 @@ def _emit_check(g: _Gen, hint: Any, var: str, indent: int, copy: bool) -> None:
 
 @cache
 def _fast_decoder(cls: type, copy: bool) -> Callable[[Any], Any]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = dataclasses.fields(cls)
     g = _Gen()
     g.emit(1, "if type(value) is not dict: raise _Reject")
@@ -309,6 +347,11 @@ def _emit_plain(g: _Gen, hint: Any, expr: str) -> str:
     origin = typing.get_origin(hint)
     if hint in (int, float, str, bytes, bool) or origin is typing.Literal:
         return expr
+    if origin is Annotated:
+        if _packed(hint):
+            # the field holds a TokenIds (the message's __post_init__ made sure)
+            return f"{g.bind(TokenIds.to_bytes, 'packed')}({expr})"
+        return _emit_plain(g, typing.get_args(hint)[0], expr)
     if origin in (Union, types.UnionType):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(inner) == 1 and inner[0] in (int, float, str, bytes, bool):
@@ -327,7 +370,7 @@ def _emit_plain(g: _Gen, hint: Any, expr: str) -> str:
 
 @cache
 def _fast_encoder(cls: type) -> Callable[[Any], dict[str, Any]]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     g = _Gen()
     items = [f"{f.name!r}: {_emit_plain(g, hints[f.name], f'obj.{f.name}')}" for f in dataclasses.fields(cls)]
     g.emit(1, "if type(obj) is not " + g.bind(cls, "cls") + ":")

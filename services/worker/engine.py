@@ -24,9 +24,11 @@ import logging
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -76,7 +78,7 @@ class EngineConfig:
 class EngineRequest:
     request_id: str
     session_id: str
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a ChatRequest's TokenIds, or a list
     block_hashes: list[int]
     namespace: bytes
     max_tokens: int
@@ -200,7 +202,8 @@ class Engine:
             )
         if req.max_tokens < 1:
             raise RequestRejected(f"request {req.request_id}: max_tokens must be at least 1")
-        if min(req.token_ids) < 0 or max(req.token_ids) >= self.model_cfg.vocab_size:
+        ids = np.asarray(req.token_ids, dtype=np.int64)  # TokenIds: its packed buffer, no int walk
+        if int(ids.min()) < 0 or int(ids.max()) >= self.model_cfg.vocab_size:
             raise RequestRejected(f"request {req.request_id}: token id outside the vocabulary")
         if -(-(n + 1) // bs) > self.kv.pool.num_blocks:
             raise RequestRejected(
@@ -209,7 +212,7 @@ class Engine:
             )
         # The hashes name the blocks this request will store for everyone: they must be the hashes
         # of its tokens, or a wrong request could poison the cache.
-        expect = block_hashes(req.token_ids, bs, req.namespace, req.public_prefix_tokens)
+        expect = block_hashes(ids, bs, req.namespace, req.public_prefix_tokens)
         if list(req.block_hashes) != expect:
             raise RequestRejected(
                 f"request {req.request_id}: block_hashes do not match token_ids "

@@ -32,6 +32,7 @@ from schemas.messages import (
     TierUsage,
     WorkerLost,
 )
+from schemas.token_ids import TokenIds
 
 
 def _request(**kw: Any) -> ChatRequest:
@@ -184,7 +185,8 @@ def test_unusual_but_valid_values_fall_back_to_the_reference() -> None:
         A = 5
 
     value = _payload(_request())
-    value["token_ids"] = [Tok.A, *value["token_ids"][1:]]
+    # an int array is what a version-1 writer sent: the reference decoder checks it element-wise
+    value["token_ids"] = [Tok.A, *TokenIds.from_bytes(value["token_ids"])[1:]]
     assert _fast(ChatRequest, value) is None
     got = validate.from_plain(ChatRequest, value)
     assert got.token_ids[0] == 5
@@ -199,11 +201,38 @@ def test_required_missing_and_unknown_fields() -> None:
 
 def test_from_plain_copies_lists_and_decode_keeps_its_own() -> None:
     value = _payload(_request())
-    tokens = value["token_ids"]
+    hashes = value["block_hashes"]
     copied = validate.from_plain(ChatRequest, value)
-    assert copied.token_ids == tokens and copied.token_ids is not tokens
+    assert copied.block_hashes == hashes and copied.block_hashes is not hashes
     owned = validate.from_owned_plain(ChatRequest, value)
-    assert owned.token_ids is tokens
+    assert owned.block_hashes is hashes
+
+
+def test_packed_token_ids_travel_as_bytes_and_wrap_without_unpacking() -> None:
+    message = _request()
+    value = _payload(message)
+    assert type(value["token_ids"]) is bytes and len(value["token_ids"]) == 4 * len(message.token_ids)
+    fast = _fast(ChatRequest, value)
+    assert fast is not None and type(fast.token_ids) is TokenIds
+    assert fast.token_ids._arr is None  # nothing unpacked until someone reads an element
+    assert fast.token_ids == message.token_ids == list(message.token_ids)
+
+
+@pytest.mark.parametrize("bad", [b"\x01\x02\x03", b"\x00" * 4 * 7 + b"\x00", bytearray(3)])
+def test_packed_token_ids_of_a_wrong_length_are_refused_on_both_paths(bad: bytes) -> None:
+    value = _payload(_request())
+    value["token_ids"] = bad
+    assert _fast(ChatRequest, value) is None
+    with pytest.raises(InvalidPayload, match="token_ids"):
+        validate.from_owned_plain(ChatRequest, value, "chat_request")
+
+
+@pytest.mark.parametrize("bad", [[-1], [1 << 32], [0, 2**40]])
+def test_version_1_int_arrays_outside_uint32_are_refused(bad: list[int]) -> None:
+    value = _payload(_request())
+    value["token_ids"] = bad + [0] * (len(TokenIds.from_bytes(value["token_ids"])) - len(bad))
+    with pytest.raises(InvalidPayload, match="token_ids"):
+        validate.from_owned_plain(ChatRequest, value, "chat_request")
 
 
 def test_bound_checks_still_apply_on_the_fast_path() -> None:

@@ -1,0 +1,104 @@
+"""TokenIds (packed uint32 token ids) and ChatRequest v2 beside the version-1 records it replaces."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas.blocks import block_hashes
+from schemas.codec import decode, encode
+from schemas.envelope import MAGIC
+from schemas.errors import InvalidPayload
+from schemas.messages import ChatRequest
+from schemas.token_ids import TokenIds
+from schemas.validate import to_plain
+
+ids32 = st.lists(st.integers(min_value=0, max_value=0xFFFFFFFF), max_size=300)
+
+
+@given(ids32)
+def test_behaves_as_the_list_it_replaces(ids: list[int]) -> None:
+    t = TokenIds(ids)
+    assert len(t) == len(ids)
+    assert t == ids and ids == t and t == tuple(ids)
+    assert list(t) == ids and t.tolist() == ids
+    assert t[1:5] == ids[1:5] and t[::-1] == ids[::-1]
+    if ids:
+        assert t[0] == ids[0] and t[-1] == ids[-1]
+    assert t + [7] == [*ids, 7] and [7] + t == [7, *ids]  # noqa: RUF005 (the operators under test)
+    assert t.numpy().tolist() == ids
+    assert TokenIds.from_bytes(t.to_bytes()) == t
+    assert t.to_bytes() == np.asarray(ids, dtype="<u4").tobytes()  # little-endian on the wire
+
+
+def test_inequality_and_errors() -> None:
+    t = TokenIds([1, 2, 3])
+    assert t != [1, 2] and t != [1, 2, 4] and t != TokenIds([1, 2]) and t != "abc"
+    with pytest.raises(IndexError):
+        t[3]
+    for bad in ([-1], [1 << 32], [1.5], ["a"]):
+        with pytest.raises(ValueError):
+            TokenIds(bad)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        TokenIds.from_bytes(b"\x00" * 5)
+
+
+def test_copies_and_pickles_as_itself() -> None:
+    t = TokenIds(range(40))
+    for other in (copy.copy(t), copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        assert type(other) is TokenIds and other == t
+    assert hash(t) == hash(TokenIds(list(range(40))))
+
+
+def _request(tokens: list[int]) -> ChatRequest:
+    return ChatRequest(
+        request_id="r1",
+        session_id="s1",
+        tenant="t",
+        token_ids=tokens,
+        block_hashes=block_hashes(tokens, 16),
+        block_size=16,
+        max_tokens=4,
+        arrival_ms=1,
+    )
+
+
+def test_a_request_always_holds_token_ids_whatever_it_was_built_from() -> None:
+    tokens = list(range(50))
+    for given_ids in (tokens, tuple(tokens), TokenIds(tokens)):
+        r = _request(given_ids)  # type: ignore[arg-type]
+        assert type(r.token_ids) is TokenIds and r.token_ids == tokens
+    r = _request(tokens)
+    shorter = dataclasses.replace(r, token_ids=tokens[:20], block_hashes=r.block_hashes[:1])
+    assert type(shorter.token_ids) is TokenIds
+    with pytest.raises(ValueError, match="token ids"):
+        _request([-1] * 16)
+
+
+def test_version_1_records_with_int_arrays_still_decode_to_the_same_request() -> None:
+    tokens = [(i * 7919) % 32000 for i in range(100)]
+    message = _request(tokens)
+    payload = to_plain(message)
+    payload["token_ids"] = tokens  # how a version-1 writer sent them
+    v1 = msgpack.packb([MAGIC, "chat_request", 1, "old-intake", 5, 9, payload], use_bin_type=True)
+    got = decode(v1)
+    assert got.version == 1 and got.message == message
+    v2 = decode(encode(message, "intake", 6, 9))
+    assert v2.version == ChatRequest.VERSION == 2 and v2.message == message
+    assert len(encode(message, "intake", 6, 9)) < len(v1) + 2 * len(tokens)
+
+
+def test_a_version_1_array_with_a_bool_is_refused() -> None:
+    message = _request(list(range(32)))
+    payload = to_plain(message)
+    payload["token_ids"] = [True, *range(1, 32)]
+    v1 = msgpack.packb([MAGIC, "chat_request", 1, "old", 5, 9, payload], use_bin_type=True)
+    with pytest.raises(InvalidPayload, match="token_ids"):
+        decode(v1)

@@ -130,8 +130,10 @@ class _Client:
         return sum(len(v) for v in batches.values())
 
 
-async def _throughput(client: _Client, n: int, bar: tqdm) -> float:
+async def _throughput(client: _Client, n: int, bar: tqdm, cpu_us: list[float] | None = None) -> float:
+    """msgs/s of one round; appends this process's CPU microseconds per message to ``cpu_us``."""
     received = 0
+    c0 = time.process_time()
     t0 = time.perf_counter()
 
     async def consume() -> None:
@@ -146,7 +148,10 @@ async def _throughput(client: _Client, n: int, bar: tqdm) -> float:
         await client.send(i)
     await client.flush()
     await asyncio.wait_for(reader, timeout=120)
-    return n / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    if cpu_us is not None:
+        cpu_us.append((time.process_time() - c0) / n * 1e6)
+    return n / elapsed
 
 
 async def _latency(client: _Client, n: int, rate: float, bar: tqdm) -> list[float]:
@@ -200,6 +205,9 @@ async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
     total = 2 * (warmup + args.rounds * args.messages + args.latency_messages)
     clients: dict[str, _Client] = {}
     rates: dict[str, list[float]] = {"raw": [], "typed": []}
+    # CPU time of this process per message: the client side's own cost, less hurt by a busy box
+    # than wall-clock rates (the broker runs in its own process)
+    cpu: dict[str, list[float]] = {"raw": [], "typed": []}
     with tqdm(total=total, desc="bench streams", unit="msg", file=sys.stderr) as bar:
         try:
             for label in ("raw", "typed"):
@@ -212,7 +220,7 @@ async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
             for r in range(args.rounds):
                 order = ("raw", "typed") if r % 2 == 0 else ("typed", "raw")
                 for label in order:
-                    rates[label].append(await _throughput(clients[label], args.messages, bar))
+                    rates[label].append(await _throughput(clients[label], args.messages, bar, cpu[label]))
             for label in ("raw", "typed"):
                 lat = await _latency(clients[label], args.latency_messages, args.rate, bar)
                 prefix = "" if label == "typed" else "raw_"
@@ -225,9 +233,11 @@ async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
     for label in ("raw", "typed"):
         results[f"{label}_msgs_per_s"] = statistics.median(rates[label])
         results[f"{label}_msgs_per_s_rounds"] = rates[label]
+        results[f"{label}_cpu_us_per_msg"] = statistics.median(cpu[label])
     results["typed_vs_raw_throughput"] = results["typed_msgs_per_s"] / results["raw_msgs_per_s"]
     results["typed_vs_raw_rounds"] = [t / r for t, r in zip(rates["typed"], rates["raw"], strict=True)]
     # What the typed layer adds per message, from the medians; compare with encode_us + decode_us.
+    results["typed_vs_raw_cpu"] = results["raw_cpu_us_per_msg"] / results["typed_cpu_us_per_msg"]
     results["typed_overhead_us"] = 1e6 / results["typed_msgs_per_s"] - 1e6 / results["raw_msgs_per_s"]
     results["typed_mb_per_s"] = results["typed_msgs_per_s"] * results["payload_bytes"] / 1e6
     return results
@@ -263,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  p99 {results['p99_ms']:.2f} ms\n"
         f"typed/raw throughput {results['typed_vs_raw_throughput']:.2f} (median of {args.rounds} rounds)\n"
         f"codec per message: encode {results['encode_us']:.1f} us, decode {results['decode_us']:.1f} us\n"
+        f"client CPU per message: raw {results['raw_cpu_us_per_msg']:.0f} us, "
+        f"typed {results['typed_cpu_us_per_msg']:.0f} us\n"
     )
     if args.json:
         out.write(json.dumps(results) + "\n")

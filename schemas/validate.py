@@ -53,6 +53,11 @@ def _packed(hint: Any) -> bool:
     return typing.get_origin(hint) is Annotated and any(m is PACKED_U32 for m in hint.__metadata__)
 
 
+@cache
+def _int_list() -> Converter:
+    return _converter(list[int])
+
+
 def _token_ids(value: Any, path: str) -> TokenIds:
     if type(value) is TokenIds:
         return value
@@ -61,7 +66,7 @@ def _token_ids(value: Any, path: str) -> TokenIds:
             return TokenIds.from_bytes(bytes(value))
         except ValueError as exc:
             raise InvalidPayload(f"{path}: {exc}") from exc
-    ints = _converter(list[int])(value, path)
+    ints = _int_list()(value, path)  # a version-1 record: every element checked
     try:
         return TokenIds(ints)
     except ValueError as exc:

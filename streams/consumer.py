@@ -346,39 +346,25 @@ class TypedConsumer:
         """
         out: list[Record] = []
         append = out.append
-        check_and_mark = self._dedup.check_and_mark if self.dedup else None
-        key_filter = self.key_filter
-        max_bytes = self.kafka.max_record_bytes
-        consumed = skipped_dup = skipped_key = 0
-        # The per-record work of _triage inlined: this loop is the typed layer's whole read cost.
+        dedup = self._dedup if self.dedup else None
         for tp, raws in await self._fetch(timeout_ms, max_records):
             topic = self._catalog_name(tp.topic)
-            consumed += len(raws)
             for raw in raws:
-                try:
-                    env = decode(raw.value, max_bytes)
-                except SchemaError as exc:
-                    await self._dead_letter(raw, exc, "schema")
+                got = self._triage(tp, topic, raw)
+                if got is None:
                     continue
-                key = raw.key.decode("utf-8", errors="replace") if raw.key is not None else None
-                if key_filter is not None and key != key_filter:
-                    skipped_key += 1
+                if isinstance(got, SchemaError):
+                    await self._dead_letter(raw, got, "schema")
                     continue
-                if check_and_mark is not None and not check_and_mark(
-                    raw.topic, raw.partition, env.producer, env.seq
-                ):
-                    skipped_dup += 1
-                    continue
-                append(Record(topic, raw.partition, raw.offset, key, env, raw.timestamp))
+                if dedup is not None:
+                    env = got.envelope
+                    dedup.mark(raw.topic, raw.partition, env.producer, env.seq)
+                append(got)
             if raws:
                 # Every record of the partition's batch is dealt with: handed out, skipped or
                 # dead-lettered; offsets only grow within a batch.
                 self._mark_done(tp, raws[-1].offset)
-        m = self.metrics
-        m.consumed += consumed
-        m.deduplicated += skipped_dup
-        m.filtered += skipped_key
-        m.handled += len(out)
+        self.metrics.handled += len(out)
         return out
 
     async def run(self, handler: Handler, stop: asyncio.Event | None = None) -> None:

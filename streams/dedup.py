@@ -29,16 +29,6 @@ class SeqDeduplicator:
         if seq > self._high.get(k, -1):
             self._high[k] = seq
 
-    def check_and_mark(self, topic: str, partition: int, producer: str, seq: int) -> bool:
-        """``not is_duplicate`` then ``mark`` in one lookup: for readers that count a record as
-        handled once it is handed out (TypedConsumer.getmany). True if the record is new."""
-        k = (topic, partition, producer)
-        high = self._high.get(k)
-        if high is not None and seq <= high:
-            return False
-        self._high[k] = seq
-        return True
-
     def high_water(self, topic: str, partition: int, producer: str) -> int | None:
         return self._high.get((topic, partition, producer))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from schemas.token_ids import PackedTokenIds, TokenIds
+from schemas.token_ids import BlockHashes, PackedBlockHashes, PackedTokenIds, TokenIds
 
 # Tier names, fastest first. The order is the demotion order of a worker's KV cache.
 Tier = Literal["gpu", "dram", "disk"]
@@ -47,15 +47,16 @@ class ChatRequest:
     """
 
     SCHEMA: ClassVar[str] = "chat_request"
-    #: 2: ``token_ids`` travel packed (schemas.token_ids); version-1 records (int arrays) still decode.
-    VERSION: ClassVar[int] = 2
-    READS: ClassVar[tuple[int, ...]] = (1, 2)
+    #: 2: ``token_ids`` travel packed (schemas.token_ids); 3: ``block_hashes`` too (uint64). Records of
+    #: versions 1 and 2 (int arrays) still decode.
+    VERSION: ClassVar[int] = 3
+    READS: ClassVar[tuple[int, ...]] = (1, 2, 3)
 
     request_id: str
     session_id: str
     tenant: str
     token_ids: PackedTokenIds
-    block_hashes: list[int]
+    block_hashes: PackedBlockHashes
     block_size: int
     max_tokens: int
     arrival_ms: int
@@ -71,6 +72,8 @@ class ChatRequest:
         if type(self.token_ids) is not TokenIds:
             # frozen: the one place the field is set after __init__; ValueError for ids outside uint32
             object.__setattr__(self, "token_ids", TokenIds(self.token_ids))
+        if type(self.block_hashes) is not BlockHashes:
+            object.__setattr__(self, "block_hashes", BlockHashes(self.block_hashes))
         if not self.request_id or not self.session_id:
             raise ValueError("request_id and session_id must be non-empty")
         if self.block_size <= 0:
@@ -189,18 +192,25 @@ class KvEvent:
     """
 
     SCHEMA: ClassVar[str] = "kv_event"
-    VERSION: ClassVar[int] = 1
+    #: 2: the hash lists travel packed (uint64, schemas.token_ids); version-1 records still decode.
+    VERSION: ClassVar[int] = 2
+    READS: ClassVar[tuple[int, ...]] = (1, 2)
 
     worker_id: str
     kind: Literal["stored", "removed", "moved", "cleared"]
     tier: str
-    block_hashes: list[int]
-    parent_hashes: list[int] = field(default_factory=list)
+    block_hashes: PackedBlockHashes
+    parent_hashes: PackedBlockHashes = field(default_factory=BlockHashes)
     from_tier: str | None = None
     session_id: str | None = None
     event_ms: int = 0
 
     def __post_init__(self) -> None:
+        # frozen: the one place the fields are set after __init__; ValueError for negative hashes
+        if type(self.block_hashes) is not BlockHashes:
+            object.__setattr__(self, "block_hashes", BlockHashes(self.block_hashes))
+        if type(self.parent_hashes) is not BlockHashes:
+            object.__setattr__(self, "parent_hashes", BlockHashes(self.parent_hashes))
         if self.parent_hashes and len(self.parent_hashes) != len(self.block_hashes):
             raise ValueError("parent_hashes must be empty or as long as block_hashes")
         if self.tier not in TIERS:

@@ -1,13 +1,15 @@
-"""Token id lists as packed little-endian uint32 bytes: how long prompts travel (ChatRequest v2).
+"""Int lists as packed little-endian bytes: how long id lists travel (ChatRequest v2+, KvEvent v2).
 
 A 16k-token prompt as a MessagePack array is 16k integers that every reader must unpack into Python
 ints and type-check one by one, although most readers (the scheduler, the KV manager, intake's
 accounting) only ever ask for its length. As a ``bin`` field it is one buffer: decoding is a length
 check, and the ints are made only when someone reads them. The worker reads them as one numpy view
-(:meth:`TokenIds.numpy`) without a copy.
+(:meth:`PackedInts.numpy`) without a copy.
 
-:class:`TokenIds` is an immutable ``Sequence[int]``: ``len``, indexing, slicing (to a list),
-iteration, and equality with any list or tuple of the same ints behave as for the list it replaces.
+Two widths: :class:`TokenIds` (uint32 token ids) and :class:`BlockHashes` (uint64 chained block
+hashes, schemas.blocks; as a MessagePack array each costs 9 bytes and a checked int on decode).
+Both are immutable ``Sequence[int]``: ``len``, indexing, slicing (to a list), iteration, and equality
+with any list or tuple of the same ints behave as for the list they replace.
 """
 
 from __future__ import annotations
@@ -15,53 +17,43 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Annotated, Any, overload
+from typing import Annotated, Any, ClassVar, TypeVar, overload
 
 import numpy as np
 
 #: Bytes per token id on the wire.
 ITEM_BYTES = 4
-_MAX = 0xFFFFFFFF
-# array('I') is the C unsigned int: 4 bytes on every platform CPython supports for kvmesh
-assert array("I").itemsize == ITEM_BYTES
 _SWAP = sys.byteorder != "little"
+_P = TypeVar("_P", bound="PackedInts")
 
 
-class _PackedMarker:
-    """``Annotated`` metadata: the schemas codec writes this field as :class:`TokenIds` bytes."""
+class PackedInts(Sequence[int]):
+    """An immutable run of unsigned ints backed by packed little-endian bytes (see subclasses).
 
-    def __repr__(self) -> str:
-        return "PACKED_U32"
-
-
-PACKED_U32 = _PackedMarker()
-
-#: The field type of a packed token id list: a ``Sequence[int]`` to its users, a ``TokenIds`` at run
-#: time (a message's ``__post_init__`` converts a list), ``bin`` on the wire.
-PackedTokenIds = Annotated[Sequence[int], PACKED_U32]
-
-
-class TokenIds(Sequence[int]):
-    """An immutable run of token ids (each in 0 .. 2**32-1) backed by packed little-endian bytes.
-
-    Build one from ints with ``TokenIds(ids)``, or from wire bytes with :meth:`from_bytes`.
+    Build one from ints with ``Cls(ids)``, or from wire bytes with :meth:`from_bytes`.
     The unpacked ``array`` is made once, on the first element access.
     """
 
     __slots__ = ("_arr", "_buf")
+    TYPECODE: ClassVar[str]
+    ITEM_BYTES: ClassVar[int]
+    DTYPE: ClassVar[str]
+    WHAT: ClassVar[str]
 
     def __init__(self, ids: Iterable[int] = ()) -> None:
-        if isinstance(ids, TokenIds):
-            self._buf: bytes = ids._buf
-            self._arr: array[int] | None = ids._arr
+        if type(ids) is type(self):
+            self._buf: bytes = ids._buf  # type: ignore[attr-defined]
+            self._arr: array[int] | None = ids._arr  # type: ignore[attr-defined]
             return
         try:
-            arr = array("I", ids if isinstance(ids, list | tuple | array) else list(ids))
+            arr = array(self.TYPECODE, ids if isinstance(ids, list | tuple | array) else list(ids))
         except (OverflowError, TypeError) as exc:
-            # array accepts bools and int subclasses; a float or a negative id is refused here
-            raise ValueError(f"token ids must be ints in 0..{_MAX}: {exc}") from exc
+            # array accepts bools and int subclasses; a float or a negative value is refused here
+            raise ValueError(
+                f"{self.WHAT} must be ints in 0..{2 ** (8 * self.ITEM_BYTES) - 1}: {exc}"
+            ) from exc
         if _SWAP:
-            wire = array("I", arr)
+            wire = array(self.TYPECODE, arr)
             wire.byteswap()
             self._buf = wire.tobytes()
         else:
@@ -69,23 +61,25 @@ class TokenIds(Sequence[int]):
         self._arr = arr
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> TokenIds:
-        """Wrap wire bytes (no copy); raises ValueError unless the length is a multiple of 4."""
-        if len(data) % ITEM_BYTES:
-            raise ValueError(f"packed token ids must be a multiple of {ITEM_BYTES} bytes, got {len(data)}")
+    def from_bytes(cls: type[_P], data: bytes) -> _P:
+        """Wrap wire bytes (no copy); raises ValueError unless the length is a multiple of the width."""
+        if len(data) % cls.ITEM_BYTES:
+            raise ValueError(
+                f"packed {cls.WHAT} must be a multiple of {cls.ITEM_BYTES} bytes, got {len(data)}"
+            )
         out = cls.__new__(cls)
         out._buf = bytes(data)  # a no-op for bytes; owns a copy of a bytearray/memoryview
         out._arr = None
         return out
 
     def to_bytes(self) -> bytes:
-        """The wire form: little-endian uint32 per id."""
+        """The wire form: little-endian, ``ITEM_BYTES`` per value."""
         return self._buf
 
     def _array(self) -> array[int]:
         arr = self._arr
         if arr is None:
-            arr = array("I")
+            arr = array(self.TYPECODE)
             arr.frombytes(self._buf)
             if _SWAP:
                 arr.byteswap()
@@ -93,8 +87,8 @@ class TokenIds(Sequence[int]):
         return arr
 
     def numpy(self) -> np.ndarray:
-        """A read-only ``uint32`` view of the ids (no copy)."""
-        return np.frombuffer(self._buf, dtype="<u4")
+        """A read-only view of the values (no copy)."""
+        return np.frombuffer(self._buf, dtype=self.DTYPE)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         # numpy's protocol: np.asarray(ids) is the packed buffer, not a walk over a Sequence
@@ -104,10 +98,13 @@ class TokenIds(Sequence[int]):
         return view.copy() if copy else view
 
     def tolist(self) -> list[int]:
+        if self._arr is None and not _SWAP:
+            # one C-level pass over the buffer, without building (and keeping) the array
+            return memoryview(self._buf).cast(self.TYPECODE).tolist()  # type: ignore[call-overload]
         return self._array().tolist()
 
     def __len__(self) -> int:
-        return len(self._buf) // ITEM_BYTES
+        return len(self._buf) // self.ITEM_BYTES
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -124,9 +121,9 @@ class TokenIds(Sequence[int]):
         return iter(self._array())
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, TokenIds):
-            return self._buf == other._buf
-        if isinstance(other, list | tuple):
+        if type(other) is type(self):
+            return self._buf == other._buf  # type: ignore[attr-defined]
+        if isinstance(other, list | tuple | PackedInts):
             return len(other) == len(self) and self.tolist() == list(other)
         return NotImplemented
 
@@ -140,9 +137,72 @@ class TokenIds(Sequence[int]):
         return [*other, *self._array()]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TokenIds.from_bytes, (self._buf,))
+        return (type(self).from_bytes, (self._buf,))
 
     def __repr__(self) -> str:
         n = len(self)
         head = ", ".join(map(str, self[:8]))
-        return f"TokenIds([{head}{', ...' if n > 8 else ''}], n={n})"
+        return f"{type(self).__name__}([{head}{', ...' if n > 8 else ''}], n={n})"
+
+
+class TokenIds(PackedInts):
+    """Token ids, each in 0 .. 2**32-1, as uint32."""
+
+    __slots__ = ()
+    TYPECODE = "I"
+    ITEM_BYTES = 4
+    DTYPE = "<u4"
+    WHAT = "token ids"
+
+
+class BlockHashes(PackedInts):
+    """Chained block hashes (schemas.blocks), each in 0 .. 2**64-1, as uint64."""
+
+    __slots__ = ()
+    TYPECODE = "Q"
+    ITEM_BYTES = 8
+    DTYPE = "<u8"
+    WHAT = "block hashes"
+
+
+# array('I') is the C unsigned int and 'Q' the unsigned long long: 4 and 8 bytes on every platform
+# CPython supports for kvmesh
+assert array("I").itemsize == TokenIds.ITEM_BYTES and array("Q").itemsize == BlockHashes.ITEM_BYTES
+
+
+class _PackedMarker:
+    """``Annotated`` metadata: the schemas codec writes this field as ``cls`` bytes."""
+
+    def __init__(self, cls: type[PackedInts], name: str) -> None:
+        self.cls = cls
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+PACKED_U32 = _PackedMarker(TokenIds, "PACKED_U32")
+PACKED_U64 = _PackedMarker(BlockHashes, "PACKED_U64")
+
+#: The field type of a packed token id list: a ``Sequence[int]`` to its users, a ``TokenIds`` at run
+#: time (a message's ``__post_init__`` converts a list), ``bin`` on the wire.
+PackedTokenIds = Annotated[Sequence[int], PACKED_U32]
+#: Likewise for block hashes (``BlockHashes`` at run time).
+PackedBlockHashes = Annotated[Sequence[int], PACKED_U64]
+
+
+def packed_marker(hint: Any) -> _PackedMarker | None:
+    """The packing marker of an ``Annotated`` hint, if it has one."""
+    for m in getattr(hint, "__metadata__", ()):
+        if isinstance(m, _PackedMarker):
+            return m
+    return None
+
+
+def int_list(values: Sequence[int]) -> list[int]:
+    """``values`` as a fresh list of ints: one C-level unpack for a packed run, else ``list()``.
+
+    For code that walks the same ids several times: iterating a packed run makes new int objects
+    on every pass.
+    """
+    return values.tolist() if isinstance(values, PackedInts) else list(values)

@@ -5,9 +5,10 @@ checks every field on decode: required fields present, exact types (``bool`` is 
 nested messages converted recursively. Unknown fields are skipped so that an old reader can read a
 newer writer's records (schema evolution: new fields are appended with defaults, never retyped).
 
-A field typed :data:`~schemas.token_ids.PackedTokenIds` travels as ``bin`` (packed uint32) and
-decodes to a :class:`~schemas.token_ids.TokenIds`; a plain int array (what a version-1 writer sent)
-is still accepted and checked element by element.
+A field typed :data:`~schemas.token_ids.PackedTokenIds` (or ``PackedBlockHashes``) travels as
+``bin`` (packed uint32 / uint64) and decodes to a :class:`~schemas.token_ids.TokenIds` (or
+``BlockHashes``); a plain int array (what a writer of an older version sent) is still accepted and
+checked element by element.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from functools import cache
 from typing import Annotated, Any, TypeVar, Union
 
 from schemas.errors import InvalidPayload
-from schemas.token_ids import PACKED_U32, TokenIds
+from schemas.token_ids import PackedInts, packed_marker
 
 T = TypeVar("T")
 
@@ -48,9 +49,12 @@ def _scalar(kind: type) -> Converter:
     return conv
 
 
-def _packed(hint: Any) -> bool:
-    """Whether ``hint`` is ``Annotated[..., PACKED_U32]``."""
-    return typing.get_origin(hint) is Annotated and any(m is PACKED_U32 for m in hint.__metadata__)
+def _packed(hint: Any) -> type[PackedInts] | None:
+    """The packed class of ``hint`` if it is ``Annotated[..., PACKED_U32 or PACKED_U64]``."""
+    if typing.get_origin(hint) is not Annotated:
+        return None
+    marker = packed_marker(hint)
+    return marker.cls if marker is not None else None
 
 
 @cache
@@ -58,19 +62,23 @@ def _int_list() -> Converter:
     return _converter(list[int])
 
 
-def _token_ids(value: Any, path: str) -> TokenIds:
-    if type(value) is TokenIds:
-        return value
-    if isinstance(value, bytes | bytearray):
+@cache
+def _packed_converter(cls: type[PackedInts]) -> Converter:
+    def conv(value: Any, path: str) -> PackedInts:
+        if type(value) is cls:
+            return value
+        if isinstance(value, bytes | bytearray):
+            try:
+                return cls.from_bytes(bytes(value))
+            except ValueError as exc:
+                raise InvalidPayload(f"{path}: {exc}") from exc
+        ints = _int_list()(value, path)  # a record of an older version: every element checked
         try:
-            return TokenIds.from_bytes(bytes(value))
+            return cls(ints)
         except ValueError as exc:
             raise InvalidPayload(f"{path}: {exc}") from exc
-    ints = _int_list()(value, path)  # a version-1 record: every element checked
-    try:
-        return TokenIds(ints)
-    except ValueError as exc:
-        raise InvalidPayload(f"{path}: {exc}") from exc
+
+    return conv
 
 
 def _converter(hint: Any) -> Converter:
@@ -78,7 +86,8 @@ def _converter(hint: Any) -> Converter:
     if hint is Any:
         return lambda v, p: v
     if origin is Annotated:
-        return _token_ids if _packed(hint) else _converter(typing.get_args(hint)[0])
+        packed = _packed(hint)
+        return _packed_converter(packed) if packed else _converter(typing.get_args(hint)[0])
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
         optional = type(None) in args
@@ -194,7 +203,7 @@ def to_plain(obj: Any) -> Any:
 
 
 def _generic_to_plain(obj: Any) -> Any:
-    if type(obj) is TokenIds:
+    if isinstance(obj, PackedInts):
         return obj.to_bytes()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _generic_to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -260,13 +269,14 @@ def _emit_check(g: _Gen, hint: Any, var: str, indent: int, copy: bool) -> None:
         g.emit(indent, f"if type({var}) is not {g.bind(hint, 't')}: raise _Reject")
         return
     if origin is Annotated:
-        if not _packed(hint):
+        packed = _packed(hint)
+        if not packed:
             _emit_check(g, typing.get_args(hint)[0], var, indent, copy)
             return
         # Only the packed form is taken here; a bad length raises ValueError, and an int array (a
-        # version-1 record) goes to the reference decoder.
+        # record of an older version) goes to the reference decoder.
         g.emit(indent, f"if type({var}) is not bytes: raise _Reject")
-        g.emit(indent, f"{var} = {g.bind(TokenIds.from_bytes, 'packed')}({var})")
+        g.emit(indent, f"{var} = {g.bind(packed.from_bytes, 'packed')}({var})")
         return
     if hint is float:
         # Like the reference decoder: an int is accepted for a float field (bool is not: type is bool).
@@ -353,9 +363,10 @@ def _emit_plain(g: _Gen, hint: Any, expr: str) -> str:
     if hint in (int, float, str, bytes, bool) or origin is typing.Literal:
         return expr
     if origin is Annotated:
-        if _packed(hint):
-            # the field holds a TokenIds (the message's __post_init__ made sure)
-            return f"{g.bind(TokenIds.to_bytes, 'packed')}({expr})"
+        packed = _packed(hint)
+        if packed:
+            # the field holds a TokenIds / BlockHashes (the message's __post_init__ made sure)
+            return f"{g.bind(packed.to_bytes, 'packed')}({expr})"
         return _emit_plain(g, typing.get_args(hint)[0], expr)
     if origin in (Union, types.UnionType):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]

@@ -40,6 +40,7 @@ from schemas.messages import (
     LoadReport,
     TierUsage,
 )
+from schemas.token_ids import int_list
 
 #: Where a worker sends a message it publishes: (message, simulated time ms).
 Emit = Callable[[object, float], None]
@@ -176,7 +177,7 @@ class SimWorker:
 
     def _plan_fetch(self, job: Job, now_ms: float) -> float | None:
         """Decide which planned blocks the peers really hold now; return when the pull ends."""
-        hashes = job.request.block_hashes
+        hashes = int_list(job.request.block_hashes)
         have = len(self.cache.prefix_tiers(hashes))
         cost = 0.0
         start = have
@@ -216,7 +217,7 @@ class SimWorker:
         """The pulled blocks enter the DRAM tier (the GPU tier without one), as the live worker commits
         them, and the view by KvEvent; the job joins the queue and its prefill promotes them."""
         lo, hi = job.fetch_range
-        hashes = job.request.block_hashes
+        hashes = int_list(job.request.block_hashes)
         parents = [hashes[i - 1] if i else 0 for i in range(lo, hi)]
         self._publish(self.cache.insert(hashes[lo:hi], parents, 1), job, now_ms)
         job.fetched_blocks = hi - lo
@@ -288,7 +289,7 @@ class SimWorker:
         """Plan ``job``'s prompt against the real caches; return the prefill iteration's length."""
         p = self.profile
         bs = p.block_size
-        hashes = job.request.block_hashes
+        hashes = int_list(job.request.block_hashes)
         n_tok = len(job.request.token_ids)
         max_reuse = (n_tok - 1) // bs if n_tok else 0  # the last token is always computed (its logits)
         local = self.cache.prefix_tiers(hashes)[:max_reuse]
@@ -310,7 +311,7 @@ class SimWorker:
 
     def _finish_prefill(self, job: Job, now_ms: float) -> None:
         req = job.request
-        hashes = req.block_hashes
+        hashes = int_list(req.block_hashes)
         parents = [0, *hashes[:-1]] if hashes else []
         self._store(hashes, parents, job, now_ms)
         job.first_token_ms = now_ms

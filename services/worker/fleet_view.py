@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 
 from schemas.messages import KvEvent
+from schemas.token_ids import int_list
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,9 @@ class FleetCopies:
         elif ev.kind in ("stored", "moved"):
             # A move is still a copy on that worker; it also teaches us of blocks stored before we
             # started listening.
-            self._add(w, ev.block_hashes)
+            self._add(w, int_list(ev.block_hashes))
         elif ev.kind == "removed":
-            self._remove(w, ev.block_hashes)
+            self._remove(w, int_list(ev.block_hashes))
 
     def worker_lost(self, worker_id: str, declared_ms: int) -> int:
         """A WorkerLost: drop the worker's copies unless it published after ``declared_ms``."""

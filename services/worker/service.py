@@ -45,6 +45,7 @@ from schemas.messages import (
     TokenChunk,
     WorkerLost,
 )
+from schemas.token_ids import int_list
 from services.worker.config import WorkerSettings
 from services.worker.fleet_view import FleetCopies
 from streams import topics
@@ -312,7 +313,7 @@ class WorkerService:
     async def _fetch_planned(self, a: Assignment, entry: _Running) -> None:
         req = a.request
         for plan in sorted(a.fetch, key=lambda p: p.first_block):
-            have = self.engine.lookup_prefix(req.block_hashes)
+            have = self.engine.lookup_prefix(int_list(req.block_hashes))
             end = plan.first_block + len(plan.block_hashes)
             if have >= end:
                 continue  # someone (a replication, an earlier turn) already brought them
@@ -376,7 +377,7 @@ class WorkerService:
                                 request_id=req.request_id,
                                 session_id=req.session_id,
                                 token_ids=req.token_ids,
-                                block_hashes=req.block_hashes,
+                                block_hashes=int_list(req.block_hashes),
                                 namespace=req.namespace,
                                 max_tokens=req.max_tokens,
                                 sampling=req.sampling,

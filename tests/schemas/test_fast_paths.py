@@ -201,11 +201,11 @@ def test_required_missing_and_unknown_fields() -> None:
 
 def test_from_plain_copies_lists_and_decode_keeps_its_own() -> None:
     value = _payload(_request())
-    hashes = value["block_hashes"]
+    stops = value["stop_token_ids"] = [7, 8]
     copied = validate.from_plain(ChatRequest, value)
-    assert copied.block_hashes == hashes and copied.block_hashes is not hashes
+    assert copied.stop_token_ids == stops and copied.stop_token_ids is not stops
     owned = validate.from_owned_plain(ChatRequest, value)
-    assert owned.block_hashes is hashes
+    assert owned.stop_token_ids is stops
 
 
 def test_packed_token_ids_travel_as_bytes_and_wrap_without_unpacking() -> None:

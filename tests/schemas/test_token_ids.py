@@ -16,8 +16,8 @@ from schemas.blocks import block_hashes
 from schemas.codec import decode, encode
 from schemas.envelope import MAGIC
 from schemas.errors import InvalidPayload
-from schemas.messages import ChatRequest
-from schemas.token_ids import TokenIds
+from schemas.messages import ChatRequest, KvEvent
+from schemas.token_ids import BlockHashes, TokenIds, int_list
 from schemas.validate import to_plain
 
 ids32 = st.lists(st.integers(min_value=0, max_value=0xFFFFFFFF), max_size=300)
@@ -87,11 +87,16 @@ def test_version_1_records_with_int_arrays_still_decode_to_the_same_request() ->
     message = _request(tokens)
     payload = to_plain(message)
     payload["token_ids"] = tokens  # how a version-1 writer sent them
+    payload["block_hashes"] = list(message.block_hashes)  # and versions 1 and 2 sent these
     v1 = msgpack.packb([MAGIC, "chat_request", 1, "old-intake", 5, 9, payload], use_bin_type=True)
     got = decode(v1)
     assert got.version == 1 and got.message == message
-    v2 = decode(encode(message, "intake", 6, 9))
-    assert v2.version == ChatRequest.VERSION == 2 and v2.message == message
+    assert type(got.message.block_hashes) is BlockHashes
+    payload["token_ids"] = message.token_ids.to_bytes()
+    v2 = decode(msgpack.packb([MAGIC, "chat_request", 2, "intake", 6, 9, payload], use_bin_type=True))
+    assert v2.version == 2 and v2.message == message
+    v3 = decode(encode(message, "intake", 7, 9))
+    assert v3.version == ChatRequest.VERSION == 3 and v3.message == message
     assert len(encode(message, "intake", 6, 9)) < len(v1) + 2 * len(tokens)
 
 
@@ -102,3 +107,31 @@ def test_a_version_1_array_with_a_bool_is_refused() -> None:
     v1 = msgpack.packb([MAGIC, "chat_request", 1, "old", 5, 9, payload], use_bin_type=True)
     with pytest.raises(InvalidPayload, match="token_ids"):
         decode(v1)
+
+
+def test_kv_event_hashes_travel_packed_and_version_1_int_arrays_still_decode() -> None:
+    hashes = [2**64 - 1, 0, 12345678901234567890]
+    ev = KvEvent("w1", "stored", "gpu", hashes, [0, *hashes[:-1]], event_ms=3)
+    assert type(ev.block_hashes) is BlockHashes and ev.block_hashes == hashes
+    wire = encode(ev, "w1", 1, 3)
+    # packed uint64s (in both lists), not MessagePack uint64 ints (0xcf + 8 bytes)
+    assert wire.count(b"\xff" * 8) == 2 and b"\xcf" + b"\xff" * 8 not in wire
+    assert decode(wire).message == ev
+    payload = to_plain(ev)
+    payload["block_hashes"], payload["parent_hashes"] = hashes, [0, *hashes[:-1]]
+    v1 = decode(msgpack.packb([MAGIC, "kv_event", 1, "old-worker", 2, 3, payload], use_bin_type=True))
+    assert v1.version == 1 and v1.message == ev
+    assert KvEvent("w1", "cleared", "gpu", []).parent_hashes == []
+    with pytest.raises(ValueError, match="block hashes"):
+        KvEvent("w1", "stored", "gpu", [-1])
+    payload["block_hashes"] = b"\x00" * 7  # not a whole number of uint64s
+    with pytest.raises(InvalidPayload, match="multiple of 8"):
+        decode(msgpack.packb([MAGIC, "kv_event", 2, "w1", 3, 3, payload], use_bin_type=True))
+
+
+def test_int_list_unpacks_packed_runs_once_and_copies_lists() -> None:
+    packed = BlockHashes([5, 6, 7])
+    assert int_list(packed) == [5, 6, 7] and type(int_list(packed)) is list
+    plain = [1, 2]
+    assert int_list(plain) == plain and int_list(plain) is not plain
+    assert BlockHashes([1, 2]) == TokenIds([1, 2])  # same ints, different widths

@@ -1,22 +1,22 @@
 """The fleet's block directory: which worker holds which block in which tier, persisted in Redis.
 
 The manager is the only writer. It keeps the directory in memory (authoritative while it runs) and
-writes the *changes* of each consumed batch to Redis in one MULTI/EXEC, together with the Kafka
+writes the *changes* of each consumed batch to Redis in one Lua call (atomic), together with the Kafka
 offsets the batch reached, so Redis always holds a directory that is exactly "every record before
 these offsets, applied"::
 
-    kafka batch ──apply──▶ memory (+ dirty marks) ──flush: MULTI … EXEC──▶ Redis
-                                                     blk / wrk / copies / parents / workers /
-                                                     offsets / seqs / stats / version (INCR)
+    kafka batch ──apply──▶ memory (+ dirty keys) ──flush: one Lua call──▶ Redis
+                                                     holders / wrk / workers / offsets /
+                                                     seqs / stats / version (INCR)
 
 Redis layout (block hashes and offsets as decimal strings):
 
 =========================  ======  ==================================================================
 key                        type    content
 =========================  ======  ==================================================================
-``kvm:holders``            hash    block hash → ``"{worker}={tier}:{last_ms},…"`` (by worker id)
-``kvm:parents``            hash    block hash → parent hash (0 for a first block)
-``kvm:copies``             hash    block hash → number of workers holding it (absent = 0)
+``kvm:holders``            hash    block hash → ``"{parent}|{worker}={tier}:{last_ms},…"`` (entries by
+                                   worker id; ``{parent}|`` absent when no event named the parent;
+                                   parent 0 for a first block)
 ``kvm:wrk:{worker}``       set     block hashes the worker holds
 ``kvm:workers``            hash    worker → JSON info (last_seen_ms, transfer_address, tiers, …)
 ``kvm:offsets``            hash    ``"{topic}:{partition}"`` → next offset to consume
@@ -25,10 +25,13 @@ key                        type    content
 ``kvm:version``            string  incremented by every flush (readers WATCH it for a consistent read)
 =========================  ======  ==================================================================
 
-Invariants: ``kvm:holders[h]`` exists iff some worker holds the block; ``kvm:copies[h]`` equals the
-number of its entries; ``h ∈ kvm:wrk:{w}`` iff ``w`` is one of them. One hash field per block (not one
-key per block) lets a flush write thousands of blocks per Redis call. Worker ids must not contain
-``,`` ``=`` or ``:`` (events from such ids are refused).
+Invariants: ``kvm:holders[h]`` exists iff some worker holds the block; ``h ∈ kvm:wrk:{w}`` iff ``w``
+is one of its entries. The number of copies of a block is the number of its entries (one HMGET, see
+``snapshot.fleet_copies``). One hash field per block (not one key per block, and parent and copy
+count folded into it rather than kept in hashes of their own) is what lets a flush write tens of
+thousands of blocks per Redis call: a hash field costs Redis ~0.6 µs to write, a set member half
+that, and those writes are most of the directory's Redis time. Worker ids must not contain ``,``
+``=`` ``:`` or ``|`` (events from such ids are refused).
 
 Idempotence: a record is applied only if its envelope ``seq`` is greater than the last seq applied
 from the same producer on the same partition (kept in ``kvm:seqs``), so replaying the topic from any
@@ -38,8 +41,11 @@ of the current state), so re-sending a flush whose reply was lost is harmless to
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
+import operator
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,13 +57,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.messages import ChatRequest, KvEvent, LoadReport
+from schemas.token_ids import int_list
 
 log = logging.getLogger(__name__)
 
 HOLDERS_KEY = "kvm:holders"
 WORKER_PREFIX = "kvm:wrk:"
-PARENTS_KEY = "kvm:parents"
-COPIES_KEY = "kvm:copies"
 WORKERS_KEY = "kvm:workers"
 OFFSETS_KEY = "kvm:offsets"
 SEQS_KEY = "kvm:seqs"
@@ -90,10 +95,6 @@ end
 each_key('UNLINK', p.unlink)
 chunked('HSET', 'kvm:holders', p.hs, 2)
 chunked('HDEL', 'kvm:holders', p.hd, 1)
-chunked('HSET', 'kvm:copies', p.cs, 2)
-chunked('HDEL', 'kvm:copies', p.hd, 1)
-chunked('HSET', 'kvm:parents', p.ps, 2)
-chunked('HDEL', 'kvm:parents', p.pd, 1)
 for _, w in ipairs(p.wx) do redis.call('DEL', 'kvm:wrk:' .. w) end
 for w, m in pairs(p.wa) do chunked('SADD', 'kvm:wrk:' .. w, m, 1) end
 for w, m in pairs(p.wr) do chunked('SREM', 'kvm:wrk:' .. w, m, 1) end
@@ -137,6 +138,18 @@ def _encode_entries(entries: Holders) -> str:
     return ",".join(f"{w}={t}:{ms}" for w, t, ms in entries)
 
 
+def _encode_or_empty(entries: Holders | None) -> str:
+    return _encode_entries(entries) if entries else ""
+
+
+def _interleave(keys: list[str], values: list[str]) -> list[str]:
+    """``[k0, v0, k1, v1, …]`` (HSET arguments) by slice assignment, without a per-item loop."""
+    out = [""] * (2 * len(keys))
+    out[::2] = keys
+    out[1::2] = values
+    return out
+
+
 def _with_holder(entries: Holders, worker: str, tier: str, when: int) -> Holders:
     """``entries`` with ``worker``'s entry set to (tier, when), kept sorted by worker id."""
     if not entries:
@@ -152,9 +165,24 @@ def _entries_of(holders: dict[str, tuple[str, int]]) -> Holders:
     return tuple(sorted((w, t, ms) for w, (t, ms) in holders.items()))
 
 
+def split_holders_value(value: str) -> tuple[int | None, str]:
+    """A ``kvm:holders`` value → (parent hash or None, the entries part)."""
+    parent, sep, entries = value.partition("|")
+    if not sep:
+        return None, value
+    return int(parent), entries
+
+
+def count_holders(value: str) -> int:
+    """The number of workers in a ``kvm:holders`` value (0 for an empty one)."""
+    entries = value.rpartition("|")[2]
+    return entries.count(",") + 1 if entries else 0
+
+
 def decode_holders(value: str) -> dict[str, tuple[str, int]]:
+    """The entries of a ``kvm:holders`` value (its parent prefix, if any, is skipped)."""
     out: dict[str, tuple[str, int]] = {}
-    for entry in value.split(","):
+    for entry in value.rpartition("|")[2].split(","):
         if not entry:
             continue
         w, _, rest = entry.partition("=")
@@ -164,7 +192,7 @@ def decode_holders(value: str) -> dict[str, tuple[str, int]]:
 
 
 def valid_worker_id(worker_id: str) -> bool:
-    return bool(worker_id) and not any(c in worker_id for c in ",=:")
+    return bool(worker_id) and not any(c in worker_id for c in ",=:|")
 
 
 def worker_info(report: LoadReport) -> dict[str, Any]:
@@ -187,10 +215,10 @@ def worker_info(report: LoadReport) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class _Dirty:
-    """Changes since the last successful flush, coalesced to the latest value per key."""
+    """Keys changed since the last successful flush. Values are read from memory when the flush is
+    built, so each key is written once with its latest value however often it changed."""
 
-    blocks: set[int] = field(default_factory=set)
-    parents: dict[int, int | None] = field(default_factory=dict)
+    blocks: set[int] = field(default_factory=set)  # kvm:holders fields (holders or parent changed)
     worker_add: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     worker_rem: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     worker_reset: set[str] = field(default_factory=set)  # rewrite the whole set (after a clear)
@@ -202,7 +230,6 @@ class _Dirty:
     def size(self) -> int:
         return (
             len(self.blocks)
-            + len(self.parents)
             + sum(len(s) for s in self.worker_add.values())
             + sum(len(s) for s in self.worker_rem.values())
             + len(self.workers)
@@ -212,7 +239,6 @@ class _Dirty:
     def empty(self) -> bool:
         return not (
             self.blocks
-            or self.parents
             or self.worker_add
             or self.worker_rem
             or self.worker_reset
@@ -221,6 +247,20 @@ class _Dirty:
             or self.seqs
             or self.stats
         )
+
+
+@dataclass(slots=True)
+class PendingFlush:
+    """One flush taken from the directory (:meth:`Directory.take_flush`) and not yet confirmed.
+
+    ``payload`` is the script argument, built from memory at take time, so the directory may go on
+    changing while it is sent. ``event_ms`` is free for the caller (the service keeps there the event
+    times of the KvEvents the flush makes durable).
+    """
+
+    payload: bytes
+    dirty: _Dirty
+    event_ms: list[int] = field(default_factory=list)
 
 
 class Directory:
@@ -245,6 +285,13 @@ class Directory:
         # kvm:version after our last flush; None until the first flush or load.
         self._version: int | None = None
         self.full_rewrites = 0
+        self._valid_ids: set[str] = set()
+
+    def _check_id(self, worker_id: str) -> bool:
+        if valid_worker_id(worker_id):
+            self._valid_ids.add(worker_id)
+            return True
+        return False
 
     # ---- record bookkeeping -------------------------------------------------------------------
 
@@ -270,26 +317,30 @@ class Directory:
     def apply_kv_event(self, ev: KvEvent, event_ms: int | None = None) -> int:
         """Apply one KvEvent; returns the number of block-level updates it made."""
         when = ev.event_ms or (event_ms or 0)
-        self.max_event_ms = max(self.max_event_ms, when)
-        self.stats["events"] += 1
+        if when > self.max_event_ms:
+            self.max_event_ms = when
+        stats = self.stats
+        stats["events"] += 1
         self._dirty.stats = True
-        if not valid_worker_id(ev.worker_id):
-            log.error("KvEvent from worker id %r refused: ids may not contain , = or :", ev.worker_id)
+        worker = ev.worker_id
+        if worker not in self._valid_ids and not self._check_id(worker):
+            log.error("KvEvent from worker id %r refused: ids may not contain , = : or |", worker)
             return 0
-        if ev.kind == "cleared":
-            return self.drop_worker_blocks(ev.worker_id)
-        n = 0
-        if ev.kind in ("stored", "moved"):
-            parents = ev.parent_hashes
-            for i, h in enumerate(ev.block_hashes):
-                self._set_holder(h, ev.worker_id, ev.tier, when)
-                if parents:
-                    self._set_parent(h, parents[i])
-                n += 1
-        elif ev.kind == "removed":
-            for h in ev.block_hashes:
-                n += self._remove_holder(h, ev.worker_id)
-        self.stats["blocks_applied"] += n
+        kind = ev.kind
+        if kind == "cleared":
+            return self.drop_worker_blocks(worker)
+        hashes = int_list(ev.block_hashes)
+        if kind in ("stored", "moved"):
+            n = self._set_holders(hashes, worker, ev.tier, when)
+            if ev.parent_hashes:
+                # The blocks are dirty already (their holders were just set): the parents travel
+                # with them, so an unchanged parent costs nothing to set again.
+                self.parents.update(zip(hashes, int_list(ev.parent_hashes), strict=False))
+        elif kind == "removed":
+            n = self._remove_holders(hashes, worker)
+        else:
+            n = 0
+        stats["blocks_applied"] += n
         return n
 
     def apply_load(self, report: LoadReport) -> None:
@@ -358,37 +409,63 @@ class Directory:
 
     # ---- internals -------------------------------------------------------------------------------
 
-    def _set_holder(self, h: int, worker: str, tier: str, when: int) -> None:
-        entries = self.blocks.get(h)
-        if entries is None:
-            self.blocks[h] = ((worker, tier, when),)  # the common case: a first holder
+    def _set_holders(self, hashes: list[int], worker: str, tier: str, when: int) -> int:
+        """``worker`` holds every block of ``hashes`` in ``tier`` since ``when``; returns len(hashes).
+
+        The per-block work is one dict lookup and store: the holders tuple of a block that only this
+        worker holds is one tuple shared by every block of the event (also one encoding per event in
+        the flush); sets are updated with C-level set operations, not per block in Python.
+        """
+        blocks = self.blocks
+        get = blocks.get
+        one: Holders = ((worker, tier, when),)
+        known = list(map(get, hashes))
+        # The blocks of one run usually share one holders tuple (they were stored together), so a
+        # set of them is tiny: all new blocks (most stored events) or blocks only this worker holds
+        # (most moves) take one C-level update, no Python loop per block.
+        distinct = set(known)
+        only = next(iter(distinct)) if len(distinct) == 1 else ()
+        if only is None or (only and len(only) == 1 and only[0][0] == worker):
+            blocks.update(dict.fromkeys(hashes, one))
         else:
-            self.blocks[h] = _with_holder(entries, worker, tier, when)
-        self._dirty.blocks.add(h)
+            for h, entries in zip(hashes, known, strict=True):
+                if entries is None or (len(entries) == 1 and entries[0][0] == worker):
+                    blocks[h] = one
+                else:
+                    blocks[h] = _with_holder(entries, worker, tier, when)
+        d = self._dirty
+        d.blocks.update(hashes)
         wb = self.worker_blocks.get(worker)
         if wb is None:
             wb = self.worker_blocks[worker] = set()
-        if h not in wb:
-            wb.add(h)
-            self._dirty.worker_add[worker].add(h)
-            self._dirty.worker_rem[worker].discard(h)
+        if not wb.issuperset(hashes):
+            added = set(hashes).difference(wb)
+            wb |= added
+            d.worker_add[worker] |= added
+            rem = d.worker_rem.get(worker)
+            if rem:
+                rem -= added
+        return len(hashes)
 
-    def _set_parent(self, h: int, parent: int) -> None:
-        if self.parents.get(h) != parent:
-            self.parents[h] = parent
-            self._dirty.parents[h] = parent
-
-    def _remove_holder(self, h: int, worker: str) -> int:
+    def _remove_holders(self, hashes: list[int], worker: str) -> int:
+        """``worker`` no longer holds ``hashes``; returns how many it did hold."""
         wb = self.worker_blocks.get(worker)
-        if wb is None or h not in wb:
+        if wb is None:
             return 0
-        wb.discard(h)
+        gone = wb.intersection(hashes)
+        if not gone:
+            return 0
+        wb -= gone
         if not wb:
             del self.worker_blocks[worker]
-        self._dirty.worker_rem[worker].add(h)
-        self._dirty.worker_add[worker].discard(h)
-        self._unlink(h, worker)
-        return 1
+        d = self._dirty
+        d.worker_rem[worker] |= gone
+        add = d.worker_add.get(worker)
+        if add:
+            add -= gone
+        for h in gone:
+            self._unlink(h, worker)
+        return len(gone)
 
     def _unlink(self, h: int, worker: str) -> None:
         entries = self.blocks.get(h)
@@ -402,45 +479,41 @@ class Directory:
             self.blocks[h] = rest
         else:
             del self.blocks[h]
-            if h in self.parents:
-                del self.parents[h]
-                self._dirty.parents[h] = None
+            self.parents.pop(h, None)
 
     # ---- Redis ------------------------------------------------------------------------------------
 
     def _payload(self, d: _Dirty, unlink: list[str] | None = None) -> bytes:
         """The writes of ``d`` as one MessagePack map for :data:`APPLY_LUA` (hashes as decimal text:
         Lua numbers are doubles and would round 64-bit hashes)."""
-        hs: list[str] = []
+        # Per key only C-level map/compress/slice work and one f-string: a flush carries a few
+        # keys per block update.
+        get = self.blocks.get
+        changed = list(d.blocks)
+        # Holders tuples are shared by the blocks of one event: each distinct tuple is encoded once.
+        encode = functools.lru_cache(maxsize=None)(_encode_or_empty)
+        values = list(map(encode, map(get, changed)))
         hd: list[str] = []
-        cs: list[str] = []
-        for h in d.blocks:
-            sh = str(h)
-            entries = self.blocks.get(h)
-            if entries:
-                hs += (sh, _encode_entries(entries))
-                cs += (sh, str(len(entries)))
-            else:
-                hd.append(sh)
-        ps: list[str] = []
-        pd: list[str] = []
-        for h, par in d.parents.items():
-            if par is None:
-                pd.append(str(h))
-            else:
-                ps += (str(h), str(par))
+        if "" in values:  # blocks nobody holds any more
+            held = list(map(bool, values))
+            hd = list(map(str, itertools.compress(changed, map(operator.not_, held))))
+            changed = list(itertools.compress(changed, held))
+            values = list(filter(None, values))
+        parents = list(map(self.parents.get, changed))
+        values = [e if p is None else f"{p}|{e}" for p, e in zip(parents, values, strict=True)]
+        hs = _interleave(list(map(str, changed)), values)
         wa: dict[str, list[str]] = {}
         wr: dict[str, list[str]] = {}
         for w in d.worker_reset:
             members = self.worker_blocks.get(w)
             if members:
-                wa[w] = [str(h) for h in members]
+                wa[w] = list(map(str, members))
         for w, added in d.worker_add.items():
             if added and w not in d.worker_reset:
-                wa[w] = [str(h) for h in added]
+                wa[w] = list(map(str, added))
         for w, removed in d.worker_rem.items():
             if removed and w not in d.worker_reset:
-                wr[w] = [str(h) for h in removed]
+                wr[w] = list(map(str, removed))
         info_set: list[str] = []
         for w in d.workers:
             if w in self.workers:
@@ -449,9 +522,6 @@ class Directory:
             "unlink": unlink or [],
             "hs": hs,
             "hd": hd,
-            "cs": cs,
-            "ps": ps,
-            "pd": pd,
             "wx": sorted(d.worker_reset),
             "wa": wa,
             "wr": wr,
@@ -475,16 +545,34 @@ class Directory:
     async def flush(self, client: aioredis.Redis) -> bool:
         """Write every change since the last flush atomically (one Lua call). False if Redis is down.
 
-        On failure nothing is cleared: the changes stay coalesced in memory and the next flush sends
-        them (with newer ones folded in). The caller must not apply records while a flush is awaited.
+        The same as :meth:`take_flush` then :meth:`send_flush`; on failure nothing is lost: the
+        changes stay coalesced in memory and the next flush sends them (with newer ones folded in).
+        """
+        pending = self.take_flush()
+        return pending is None or await self.send_flush(client, pending)
+
+    def take_flush(self) -> PendingFlush | None:
+        """Build the next flush from memory and start a new change set; None if nothing changed.
+
+        The directory may be changed while the flush is sent (the payload is already built); at most
+        one flush may be in flight, and every taken flush must be handed to :meth:`send_flush`, which
+        puts its changes back if it fails.
+        """
+        if self._dirty.empty():
+            return None
+        d = self._dirty
+        self._dirty = _Dirty()
+        return PendingFlush(self._payload(d), d)
+
+    async def send_flush(self, client: aioredis.Redis, pending: PendingFlush) -> bool:
+        """Write a taken flush. False if Redis is down (its changes are then folded back into the
+        current ones, to be sent again with the next flush).
 
         If ``kvm:version`` did not advance by exactly one, Redis lost its data (a restart without
         persistence) or someone else wrote it: the whole directory is then rewritten from memory.
         """
-        if self._dirty.empty():
-            return True
         try:
-            version = await self._apply(client, self._payload(self._dirty))
+            version = await self._apply(client, pending.payload)
             if self._version is not None and version != self._version + 1:
                 log.warning(
                     "directory in Redis is not the one this manager wrote (version %d, expected %d): "
@@ -495,10 +583,38 @@ class Directory:
                 version = await self._rewrite_all(client)
         except REDIS_DOWN_ERRORS as exc:
             log.debug("directory flush failed: %s", exc)
+            self._restore(pending.dirty)
             return False
+        except BaseException:
+            self._restore(pending.dirty)
+            raise
         self._version = version
-        self._dirty = _Dirty()
         return True
+
+    def _restore(self, old: _Dirty) -> None:
+        """Fold the changes of a failed flush back into the current ones (memory is authoritative:
+        only the keys matter, except for worker set members, which are re-derived from memory)."""
+        d = self._dirty
+        d.blocks |= old.blocks
+        d.workers |= old.workers
+        d.seqs |= old.seqs
+        d.offsets = d.offsets or old.offsets
+        d.stats = d.stats or old.stats
+        for w in old.worker_reset:
+            d.worker_reset.add(w)
+            d.worker_add.pop(w, None)
+            d.worker_rem.pop(w, None)
+        for w in {*old.worker_add, *old.worker_rem}:
+            if w in d.worker_reset:
+                continue
+            held = self.worker_blocks.get(w, set())
+            for h in old.worker_add.get(w, set()) | old.worker_rem.get(w, set()):
+                if h in held:
+                    d.worker_add[w].add(h)
+                    d.worker_rem[w].discard(h)
+                else:
+                    d.worker_rem[w].add(h)
+                    d.worker_add[w].discard(h)
 
     async def verify(self, client: aioredis.Redis) -> bool:
         """Rewrite Redis from memory if it no longer holds the directory this manager last wrote.
@@ -523,7 +639,6 @@ class Directory:
         ]
         full = _Dirty()
         full.blocks = set(self.blocks)
-        full.parents = dict(self.parents)
         full.worker_reset = set(self.worker_blocks)
         full.workers = set(self.workers)
         full.offsets = True

@@ -1,6 +1,7 @@
 """The KV manager's long-running loop: consume → apply → liveness → placement → flush → publish.
 
-One task does everything in order, so the directory is never changed while a flush is in flight::
+One task does everything in order; only the Redis round trip of a flush overlaps the next batch
+(its payload is built from memory before it is sent, and at most one flush is in flight)::
 
     kv-events ┐                  ┌─ Directory (memory) ──flush (MULTI/EXEC, with offsets)──▶ Redis
     load      ├─ TypedConsumer ──┤  liveness: silent workers → drop blocks, WorkerLost ───────▶ control
@@ -28,7 +29,7 @@ import redis.asyncio as aioredis
 
 from schemas.messages import ChatRequest, KvEvent, LoadReport
 from services.kvmanager.config import KvManagerSettings
-from services.kvmanager.directory import REDIS_DOWN_ERRORS, Directory
+from services.kvmanager.directory import REDIS_DOWN_ERRORS, Directory, PendingFlush
 from services.kvmanager.liveness import liveness_now, lost_workers, worker_lost_message
 from services.kvmanager.placement import PlacementConfig, PlacementEngine
 from streams.admin import ensure_topics
@@ -92,6 +93,8 @@ class KvManagerService:
         self._next_verify = 0
         self._paused_logged = False
         self._unflushed_event_ms: list[int] = []
+        # The flush being written to Redis while the loop consumes and applies the next batch.
+        self._inflight: asyncio.Task[bool] | None = None
         self.published: dict[str, int] = {"worker_lost": 0, "replicate_command": 0, "retain_hint": 0}
 
     @property
@@ -154,6 +157,7 @@ class KvManagerService:
         if self.redis is not None:
             with contextlib.suppress(*REDIS_DOWN_ERRORS):
                 await self._flush(force=True)
+                await self._wait_inflight()
         if self.consumer is not None:
             await self.consumer.stop()
             self.consumer = None
@@ -247,7 +251,14 @@ class KvManagerService:
         return out
 
     async def _flush(self, force: bool = False) -> None:
+        """Start writing the changes applied so far; returns once the previous flush is confirmed.
+
+        The Redis call runs in its own task while the loop goes on with the next batch (pipelined:
+        the manager's CPU and Redis's work overlap). A failed flush folds its changes back into the
+        directory's current ones, so the next flush carries them.
+        """
         assert self.redis is not None
+        await self._wait_inflight()
         wall = self.clock()
         if not self.directory.has_dirty():
             if self._redis_ok and wall >= self._next_verify:
@@ -255,18 +266,49 @@ class KvManagerService:
                 self._next_verify = wall + 1000
                 with contextlib.suppress(*REDIS_DOWN_ERRORS):
                     await self.directory.verify(self.redis)
+                # redis-py can absorb a cancellation (stop()) that lands in its read and retry or
+                # raise a connection error instead: do not let it swallow the cancel, or stop()
+                # waits for a loop that never ends.
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError
             return
         if not force and not self._redis_ok and wall < self._next_redis_try:
             return
-        ok = await self.directory.flush(self.redis)
+        pending = self.directory.take_flush()
+        if pending is None:
+            return
+        pending.event_ms, self._unflushed_event_ms = self._unflushed_event_ms, []
+        self._inflight = asyncio.create_task(self._send(pending), name="kvmanager-flush")
+        # Let the task write its request now: the next getmany often returns prefetched records
+        # without suspending, and the request would otherwise leave only when the loop next waits,
+        # i.e. after the whole next batch, with no overlap at all.
+        for _ in range(4):
+            await asyncio.sleep(0)
+
+    async def _wait_inflight(self) -> None:
+        task = self._inflight
+        if task is None:
+            return
+        try:
+            # Shielded: cancelling the loop must not cancel a write half done; stop() awaits it.
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._inflight = None
+
+    async def _send(self, pending: PendingFlush) -> bool:
+        assert self.redis is not None
+        ok = await self.directory.send_flush(self.redis, pending)
         if ok:
             if not self._redis_ok:
                 log.warning("Redis reachable again: buffered directory changes written")
             self._redis_ok = True
-            if self.on_flush is not None and self._unflushed_event_ms:
-                events, self._unflushed_event_ms = self._unflushed_event_ms, []
-                self.on_flush(events, self.clock())
+            if self.on_flush is not None and pending.event_ms:
+                self.on_flush(pending.event_ms, self.clock())
         else:
+            # Its changes are back in the directory's dirty set; their event times go back too.
+            self._unflushed_event_ms[:0] = pending.event_ms
             if self._redis_ok:
                 log.warning(
                     "Redis at %s unreachable: buffering directory changes in memory (limit %d), retrying "
@@ -276,7 +318,8 @@ class KvManagerService:
                     self.settings.redis_retry_ms,
                 )
             self._redis_ok = False
-            self._next_redis_try = wall + self.settings.redis_retry_ms
+            self._next_redis_try = self.clock() + self.settings.redis_retry_ms
+        return ok
 
     async def _publish(self, out: list[tuple[TopicSpec, Any]]) -> None:
         if not out:

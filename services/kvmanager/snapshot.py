@@ -1,7 +1,7 @@
 """A consistent read of the whole directory, for a scheduler's (or the manager's own) cold start.
 
 Consistency: every flush of the manager is one Lua call (atomic in Redis), and the reader takes the
-holders, parents, workers, offsets, seqs, stats and version in one MULTI/EXEC, so the result is
+holders (with their parents), workers, offsets, seqs, stats and version in one MULTI/EXEC, so the result is
 always the state after some whole number of flushes: the blocks are exactly those produced by every
 record before ``offsets``.
 
@@ -19,15 +19,15 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.kvmanager.directory import (
-    COPIES_KEY,
     HOLDERS_KEY,
     OFFSETS_KEY,
-    PARENTS_KEY,
     SEQS_KEY,
     STATS_KEY,
     VERSION_KEY,
     WORKERS_KEY,
+    count_holders,
     decode_holders,
+    split_holders_value,
 )
 
 
@@ -66,13 +66,17 @@ def _split_offset_key(key: str) -> tuple[str, int]:
 async def read_raw(redis_client: aioredis.Redis) -> RawDirectory:
     """Read the whole directory in one MULTI/EXEC (see module docstring)."""
     async with redis_client.pipeline(transaction=True) as pipe:
-        for key in (HOLDERS_KEY, PARENTS_KEY, OFFSETS_KEY, WORKERS_KEY, SEQS_KEY, STATS_KEY):
+        for key in (HOLDERS_KEY, OFFSETS_KEY, WORKERS_KEY, SEQS_KEY, STATS_KEY):
             pipe.hgetall(key)
         pipe.get(VERSION_KEY)
-        holders, parents, offsets, workers, seqs, stats, version = await pipe.execute()
+        holders, offsets, workers, seqs, stats, version = await pipe.execute()
     raw = RawDirectory()
-    raw.blocks = {int(_s(h)): decode_holders(_s(v)) for h, v in holders.items()}
-    raw.parents = {int(_s(h)): int(_s(p)) for h, p in parents.items()}
+    for key, value in holders.items():
+        h = int(_s(key))
+        parent, entries = split_holders_value(_s(value))
+        raw.blocks[h] = decode_holders(entries)
+        if parent is not None:
+            raw.parents[h] = parent
     for k, v in offsets.items():
         topic, part = _split_offset_key(_s(k))
         raw.offsets.setdefault(topic, {})[part] = int(_s(v))
@@ -102,5 +106,5 @@ async def fleet_copies(redis_client: aioredis.Redis, block_hashes: Sequence[int]
     """
     if not block_hashes:
         return []
-    values = await redis_client.hmget(COPIES_KEY, [str(h) for h in block_hashes])
-    return [int(_s(v)) if v is not None else 0 for v in values]
+    values = await redis_client.hmget(HOLDERS_KEY, [str(h) for h in block_hashes])
+    return [count_holders(_s(v)) if v is not None else 0 for v in values]

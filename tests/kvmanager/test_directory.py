@@ -8,7 +8,14 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
-from services.kvmanager.directory import COPIES_KEY, Directory, worker_key
+from services.kvmanager.directory import (
+    HOLDERS_KEY,
+    Directory,
+    count_holders,
+    decode_holders,
+    split_holders_value,
+    worker_key,
+)
 from services.kvmanager.snapshot import fleet_copies, read_raw, read_snapshot
 from streams.topics import KV_EVENTS, LOAD
 
@@ -108,12 +115,19 @@ async def test_flush_snapshot_and_offsets(redis_settings) -> None:
         assert set(snap.workers) == {"w1", "w2"}
         assert snap.workers["w1"]["last_seen_ms"] == 140
         assert snap.workers["w1"]["transfer_address"] == "127.0.0.1:9001"
-        assert await client.hgetall(COPIES_KEY) == {b"11": b"2", b"12": b"1", b"13": b"1"}
         assert await fleet_copies(client, [13, 11, 21, 12]) == [1, 2, 0, 1]
         assert await client.smembers(worker_key("w2")) == {b"11"}
         assert not await client.exists(worker_key("w3"))
-        assert await client.hget("kvm:holders", "13") == b"w1=dram:120"
-        assert await client.hget("kvm:holders", "11") == b"w1=gpu:100,w2=dram:110"
+        # one field per block: parent, then the holders by worker id (no hash of parents or counts)
+        assert await client.hgetall(HOLDERS_KEY) == {
+            b"11": b"0|w1=gpu:100,w2=dram:110",
+            b"12": b"11|w1=gpu:100",
+            b"13": b"12|w1=dram:120",
+        }
+        assert {k.decode() for k in await client.keys("kvm:*")} == {
+            *("kvm:holders", "kvm:wrk:w1", "kvm:wrk:w2", "kvm:workers"),
+            *("kvm:offsets", "kvm:seqs", "kvm:stats", "kvm:version"),
+        }
         # A manager restarted from Redis holds the same directory and skips what it already applied.
         again = Directory()
         await again.load(client)
@@ -192,3 +206,85 @@ def test_block_holders_are_invisible_to_the_garbage_collector() -> None:
     assert not any(gc.is_tracked(v) for v in d.blocks.values())
     d.apply_kv_event(removed("w1", [11], ms=8))
     assert d.blocks == {11: (("w2", "gpu", 5),), 12: (("w2", "dram", 7),)}
+
+
+@pytest.mark.integration
+async def test_changes_applied_while_a_flush_is_in_flight_or_after_it_failed_are_not_lost(
+    redis_server, redis_settings
+) -> None:
+    """The service overlaps a flush's Redis call with the next batch: whatever is applied between
+    take_flush and send_flush, and whatever a failed flush carried, reaches Redis with a later flush."""
+    client = aioredis.from_url(redis_settings.url)
+    try:
+        reference = Directory()
+        feed(reference, EVENTS)
+        await reference.flush(client)
+        expected = await redis_contents(client)
+        await client.flushdb()
+
+        d = Directory()
+        feed(d, EVENTS[:3])
+        first = d.take_flush()
+        assert first is not None and not d.has_dirty()
+        feed(d, EVENTS[3:5])  # applied while `first` is on its way
+        assert await d.send_flush(client, first)
+        assert d.has_dirty()
+        await client.aclose()
+        redis_server.stop()
+        client = aioredis.from_url(redis_settings.url, socket_connect_timeout=0.5)
+        second = d.take_flush()
+        assert second is not None
+        feed(d, EVENTS[5:])  # w3 stored then cleared, w2 reports: newer than `second`
+        assert not await d.send_flush(client, second)  # Redis down: folded back
+        redis_server.start()  # empty again: the next flush notices and rewrites
+        assert await d.flush(client)
+        assert await redis_contents(client) == expected
+        assert not d.has_dirty()
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.integration
+async def test_failed_flush_restores_worker_set_changes_from_memory(redis_server, redis_settings) -> None:
+    client = aioredis.from_url(redis_settings.url)
+    try:
+        d = Directory()
+        feed(d, [(0, 1, stored("w1", [1, 2], ms=10))])
+        assert await d.flush(client)
+        feed(d, [(1, 2, removed("w1", [2], ms=11))])
+        pending = d.take_flush()
+        assert pending is not None
+        feed(d, [(2, 3, stored("w1", [2], ms=12)), (3, 4, moved("w1", [1], to="dram", frm="gpu", ms=13))])
+        await client.aclose()
+        redis_server.stop()
+        client = aioredis.from_url(redis_settings.url, socket_connect_timeout=0.5)
+        assert not await d.send_flush(client, pending)
+        redis_server.start()
+        await client.aclose()
+        client = aioredis.from_url(redis_settings.url)
+        await d.flush(client)  # Redis came back empty: rewritten whole from memory
+        assert await client.smembers(worker_key("w1")) == {b"1", b"2"}
+        assert await fleet_copies(client, [1, 2]) == [1, 1]
+        assert await client.hget(HOLDERS_KEY, "1") == b"0|w1=dram:13"
+    finally:
+        await client.aclose()
+
+
+def test_restore_rederives_worker_set_members_from_memory() -> None:
+    d = Directory()
+    feed(d, [(0, 1, stored("w1", [1, 2], ms=10))])
+    d._dirty = type(d._dirty)()  # as if flushed
+    feed(d, [(1, 2, removed("w1", [2], ms=11))])
+    pending = d.take_flush()
+    assert pending is not None
+    feed(d, [(2, 3, stored("w1", [2], ms=12))])  # re-stored after the flush was taken
+    d._restore(pending.dirty)
+    assert d._dirty.worker_add["w1"] == {2} and not d._dirty.worker_rem["w1"]
+    assert 2 in d._dirty.blocks
+
+
+def test_holders_value_round_trips_parent_and_entries() -> None:
+    assert split_holders_value("12|w1=gpu:5,w2=dram:7") == (12, "w1=gpu:5,w2=dram:7")
+    assert split_holders_value("w1=gpu:5") == (None, "w1=gpu:5")
+    assert decode_holders("0|w1=gpu:5,w2=dram:7") == {"w1": ("gpu", 5), "w2": ("dram", 7)}
+    assert [count_holders(v) for v in ("0|w1=gpu:5,w2=dram:7", "w1=gpu:5", "3|", "")] == [2, 1, 0, 0]

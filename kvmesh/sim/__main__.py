@@ -7,6 +7,11 @@
 ``--time-scale`` multiplies trace timestamps (0.5 = twice the arrival rate). Traces use 512-token
 blocks by default (one block per Mooncake hash id); synthetic workloads use 16. With ``--json`` the
 last stdout line is one JSON object: ``{"policies": {name: summary}, ...}`` (see kvmesh.sim.metrics).
+
+``--time-scales 0.25,0.28,0.3,0.5`` (trace only) runs that simulation once per scale and checks
+issue #8's goal at each (kvmesh.sim.metrics.issue8_goal); with ``--json`` the last line is then
+``{"sweep": [{"time_scale": x, "policies": {...}, "goal": {...}}, ...], "goal_met_at": [x, ...], ...}``
+and ``--plot DIR`` writes DIR/time_scale_sweep.png (TTFT p50 per policy against scale).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tqdm import tqdm
 from kvmesh.costmodel import load_profile
 from kvmesh.sim.engine import SimConfig, SimResult, simulate
 from kvmesh.sim.errors import SimError
+from kvmesh.sim.metrics import GOAL_POLICIES, issue8_goal
 from kvmesh.sim.recorder import SimRecorder
 from kvmesh.workloads import (
     MultiTurnSpec,
@@ -47,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (trace only)")
+    p.add_argument(
+        "--time-scales",
+        type=_scales,
+        default=None,
+        metavar="X,Y,...",
+        help="sweep: a --time-scale run per value with issue #8's goal check (trace only; overrides it)",
+    )
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--profile", default="h100-llama3-8b", help="named profile or a benchmark's JSON")
     p.add_argument("--block-size", type=int, default=None, help="tokens per block (trace 512, else 16)")
@@ -62,13 +75,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=6, help="multiturn: rounds per conversation")
     p.add_argument("--qps", type=float, default=8.0, help="synthetic workloads: requests per second")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", metavar="DIR", help="write ttft_cdf.png and busy_fraction.png here")
+    p.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write ttft_cdf.png and busy_fraction.png here (a sweep: time_scale_sweep.png)",
+    )
     p.add_argument("--json", action="store_true", help="last stdout line: the results as one JSON object")
     p.add_argument(
         "--record", metavar="FILE", help="one policy only: write the run as a replayable recording"
     )
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _scales(raw: str) -> list[float]:
+    try:
+        scales = [float(x) for x in raw.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {raw!r}") from exc
+    if not scales or any(not x > 0 for x in scales):
+        raise argparse.ArgumentTypeError(f"expected positive time scales, got {raw!r}")
+    return scales
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -141,6 +168,50 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _run_policies(
+    args: argparse.Namespace,
+    policies: list[str],
+    profile: Any,
+    router: dict[str, Any],
+    block_size: int,
+    source: Callable[[], Iterator[ChatRequest]],
+    total: int,
+    recorder: SimRecorder | None,
+    no_progress: bool,
+    leave: bool = True,
+) -> tuple[list[SimResult], dict[str, dict[str, Any]]]:
+    """One simulation per policy over the same requests: the results and their summaries."""
+    results: list[SimResult] = []
+    summaries: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        config = SimConfig(
+            workers=args.workers,
+            policy=policy,
+            block_size=block_size,
+            lag_ms=args.lag_ms,
+            heartbeat_ms=args.heartbeat_ms,
+            overlap_fetch=args.overlap_fetch,
+            router=router,
+        )
+        started = time.perf_counter()
+        bar = tqdm(
+            total=total or None,
+            desc=policy,
+            unit="req",
+            disable=no_progress,
+            file=sys.stderr,
+            leave=leave,
+        )
+        with bar:
+            tap = recorder.tap if recorder is not None else None
+            result = simulate(source(), profile, config, progress=bar.update, tap=tap)
+        summary = result.summary()
+        summary["wall_s"] = time.perf_counter() - started
+        results.append(result)
+        summaries[policy] = summary
+    return results, summaries
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -154,31 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         router = _overrides(args.router)
         if args.record and len(policies) != 1:
             raise SimError("--record needs exactly one policy")
+        if args.time_scales is not None:
+            return _sweep(args, policies, profile, router, block_size)
         source, total = request_source(args, block_size)
         recorder = SimRecorder() if args.record else None
-        results: list[SimResult] = []
-        summaries: dict[str, dict[str, Any]] = {}
-        for policy in policies:
-            config = SimConfig(
-                workers=args.workers,
-                policy=policy,
-                block_size=block_size,
-                lag_ms=args.lag_ms,
-                heartbeat_ms=args.heartbeat_ms,
-                overlap_fetch=args.overlap_fetch,
-                router=router,
-            )
-            started = time.perf_counter()
-            bar = tqdm(
-                total=total or None, desc=policy, unit="req", disable=args.no_progress, file=sys.stderr
-            )
-            with bar:
-                tap = recorder.tap if recorder is not None else None
-                result = simulate(source(), profile, config, progress=bar.update, tap=tap)
-            summary = result.summary()
-            summary["wall_s"] = time.perf_counter() - started
-            results.append(result)
-            summaries[policy] = summary
+        results, summaries = _run_policies(
+            args, policies, profile, router, block_size, source, total, recorder, args.no_progress
+        )
     except (SimError, WorkloadError, OSError, ValueError, TypeError) as exc:
         sys.stderr.write(f"kvmesh simulate: {exc}\n")
         return 2
@@ -202,6 +255,74 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
     return 0
+
+
+def _sweep(
+    args: argparse.Namespace,
+    policies: list[str],
+    profile: Any,
+    router: dict[str, Any],
+    block_size: int,
+) -> int:
+    """``--time-scales``: the single-scale run once per scale, each with issue #8's goal check."""
+    if not args.trace:
+        raise SimError("--time-scales needs --trace")
+    if args.record:
+        raise SimError("--record needs a single --time-scale")
+    scales: list[float] = args.time_scales
+    quiet = args.json or args.no_progress
+    sweep: list[dict[str, Any]] = []
+    for scale in tqdm(scales, desc="time scales", unit="scale", disable=quiet, file=sys.stderr):
+        run_args = argparse.Namespace(**{**vars(args), "time_scale": scale})
+        source, total = request_source(run_args, block_size)
+        _, summaries = _run_policies(
+            run_args, policies, profile, router, block_size, source, total, None, quiet, leave=False
+        )
+        goal = issue8_goal(summaries) if all(p in summaries for p in GOAL_POLICIES) else None
+        sweep.append({"time_scale": scale, "policies": summaries, "goal": goal})
+    met = [row["time_scale"] for row in sweep if row["goal"] is not None and row["goal"]["met"]]
+    out: dict[str, Any] = {
+        "sweep": sweep,
+        "goal_met_at": met,
+        "trace": args.trace,
+        "workers": args.workers,
+        "time_scales": scales,
+        "max_requests": args.max_requests,
+        "profile": args.profile,
+        "block_size": block_size,
+        "lag_ms": args.lag_ms,
+        "overlap_fetch": args.overlap_fetch,
+    }
+    if args.plot:
+        from kvmesh.sim.plots import write_sweep_plot  # matplotlib only when asked for
+
+        out["plots"] = [str(write_sweep_plot(sweep, met, args.plot))]
+    sys.stdout.write(_sweep_table(sweep, policies) + "\n")
+    if args.json:
+        sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
+    return 0
+
+
+def _sweep_table(sweep: list[dict[str, Any]], policies: list[str]) -> str:
+    """TTFT p50 per policy per scale, then the goal's figures where it was checked."""
+    short = {"round_robin": "RR", "least_loaded": "LL", "prefix_aware": "PA", "kvmesh": "KV"}
+    names = [short.get(p, p[:8]) for p in policies]
+    head = f"{'scale':>7}" + "".join(f"{n + ' p50':>11}" for n in names)
+    goal_cols = ("KV/RR", "KV/PA", "KV-LL pt", "goal")
+    if any(row["goal"] is not None for row in sweep):
+        head += "".join(f"{h:>10}" for h in goal_cols)
+    lines = [head]
+    for row in sweep:
+        line = f"{row['time_scale']:>7.3g}" + "".join(
+            f"{row['policies'][p]['ttft_p50_s']:>11.3f}" for p in policies
+        )
+        g = row["goal"]
+        if g is not None:
+            ratios = (g["kv_over_rr_p50"], g["kv_over_pa_p50"])
+            line += "".join("       n/a" if r is None else f"{r:>10.3f}" for r in ratios)
+            line += f"{g['spread_kv_minus_ll_pt']:>+10.2f}" + f"{'YES' if g['met'] else 'no':>10}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _write_plots(results: list[SimResult], out_dir: str) -> list[Any]:

@@ -97,3 +97,57 @@ def summarize(
 def ttft_seconds(records: list[RequestRecord]) -> np.ndarray:
     """TTFTs in seconds, sorted (for CDF plots)."""
     return np.sort(np.fromiter(((r.first_token_ms - r.arrival_ms) / 1000.0 for r in records), float))
+
+
+#: Issue #8's claim, checked per load level by :func:`issue8_goal` (``kvmesh simulate --time-scales``).
+GOAL_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kvmesh")
+GOAL_RR_MIN_P50_S = 2.0  # the load must be high enough that round_robin's TTFT p50 is >= 2 s
+GOAL_MAX_KV_OVER_RR = 0.40  # kvmesh TTFT p50 <= 40% of round_robin's
+GOAL_MAX_KV_OVER_PA = 0.80  # ... and <= 80% of prefix_aware's
+GOAL_MAX_SPREAD_EXCESS_PT = 10.0  # kvmesh busy_fraction_spread - least_loaded's <= 10 points
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def issue8_goal(
+    summaries: dict[str, dict[str, Any]],
+    *,
+    rr_min_p50_s: float = GOAL_RR_MIN_P50_S,
+    max_kv_over_rr: float = GOAL_MAX_KV_OVER_RR,
+    max_kv_over_pa: float = GOAL_MAX_KV_OVER_PA,
+    max_spread_excess_pt: float = GOAL_MAX_SPREAD_EXCESS_PT,
+) -> dict[str, Any]:
+    """Issue #8's goal on one run's per-policy summaries (``ttft_p50_s``, ``busy_fraction_spread``).
+
+    Returns the figures -- ``rr_p50_s``, ``kv_over_rr_p50`` and ``kv_over_pa_p50`` (ratios of TTFT
+    p50s; None when the denominator is 0), ``spread_kv_minus_ll_pt`` (percentage points) -- a boolean
+    per condition (``rr_loaded``, ``kv_vs_rr_ok``, ``kv_vs_pa_ok``, ``spread_ok``) and ``met`` (all of
+    them). Comparisons are on unrounded values. Raises KeyError if a policy in GOAL_POLICIES is missing.
+    """
+    missing = [p for p in GOAL_POLICIES if p not in summaries]
+    if missing:
+        raise KeyError(f"goal check needs policies {missing}")
+    rr = float(summaries["round_robin"]["ttft_p50_s"])
+    pa = float(summaries["prefix_aware"]["ttft_p50_s"])
+    kv = float(summaries["kvmesh"]["ttft_p50_s"])
+    spread = float(summaries["kvmesh"]["busy_fraction_spread"]) - float(
+        summaries["least_loaded"]["busy_fraction_spread"]
+    )
+    kv_rr = _ratio(kv, rr)
+    kv_pa = _ratio(kv, pa)
+    checks = {
+        "rr_loaded": rr >= rr_min_p50_s,
+        "kv_vs_rr_ok": kv_rr is not None and kv_rr <= max_kv_over_rr,
+        "kv_vs_pa_ok": kv_pa is not None and kv_pa <= max_kv_over_pa,
+        "spread_ok": spread <= max_spread_excess_pt,
+    }
+    return {
+        "rr_p50_s": rr,
+        "kv_over_rr_p50": kv_rr,
+        "kv_over_pa_p50": kv_pa,
+        "spread_kv_minus_ll_pt": spread,
+        **checks,
+        "met": all(checks.values()),
+    }

@@ -1,8 +1,10 @@
-"""PNG figures of a simulator run (or a live one, as SimResults): TTFT CDF and busy fraction per worker."""
+"""PNG figures of a simulator run (or a live one, as SimResults): TTFT CDF and busy fraction per worker;
+and of a ``--time-scales`` sweep: TTFT p50 per policy against time scale."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -71,3 +73,52 @@ def write_plots(results: list[SimResult], out_dir: str | Path) -> list[Path]:
     if not results:
         return []
     return [plot_ttft_cdf(results, out / "ttft_cdf.png"), plot_busy(results, out / "busy_fraction.png")]
+
+
+def _shade_spans(scales: list[float], met: list[float]) -> list[tuple[float, float]]:
+    """An x interval per goal-met scale: halfway to each neighbouring scale (as far again at the ends)."""
+    xs = sorted(set(scales))
+    spans = []
+    for i, x in enumerate(xs):
+        if x not in met:
+            continue
+        if len(xs) == 1:
+            spans.append((x * 0.95, x * 1.05))
+            continue
+        left = (xs[i - 1] + x) / 2 if i > 0 else x - (xs[1] - x) / 2
+        right = (x + xs[i + 1]) / 2 if i + 1 < len(xs) else x + (x - xs[i - 1]) / 2
+        spans.append((left, right))
+    return spans
+
+
+def plot_time_scale_sweep(sweep: list[dict[str, Any]], met: list[float], path: Path) -> Path:
+    """TTFT p50 per policy against time scale (log y), the scales where issue #8's goal holds shaded.
+
+    ``sweep`` rows are ``{"time_scale": x, "policies": {name: summary}}`` as ``--time-scales`` emits.
+    """
+    rows = sorted(sweep, key=lambda r: r["time_scale"])
+    scales = [float(r["time_scale"]) for r in rows]
+    policies = list(rows[0]["policies"]) if rows else []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, (left, right) in enumerate(_shade_spans(scales, met)):
+        ax.axvspan(left, right, color="tab:green", alpha=0.15, label="goal met" if k == 0 else None)
+    for policy in policies:
+        p50 = [max(float(r["policies"][policy]["ttft_p50_s"]), 1e-4) for r in rows]
+        ax.plot(scales, p50, marker="o", label=policy)
+    ax.set_yscale("log")
+    ax.set_xlabel("time scale (trace timestamps x scale; lower = more load)")
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_xticks(scales, [f"{x:g}" for x in scales])
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_sweep_plot(sweep: list[dict[str, Any]], met: list[float], out_dir: str | Path) -> Path:
+    """DIR/time_scale_sweep.png (DIR created); returns its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return plot_time_scale_sweep(sweep, met, out / "time_scale_sweep.png")

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgpack
 
+from schemas.construct import constructor
 from schemas.envelope import MAGIC, Envelope
 from schemas.errors import InvalidPayload, MalformedRecord, RecordTooLarge, UnknownSchema, UnknownVersion
 from schemas.messages import MESSAGE_TYPES
@@ -29,6 +30,8 @@ def register(cls: type) -> type:
 
 for _cls in MESSAGE_TYPES:
     register(_cls)
+
+_make_envelope = constructor(Envelope)
 
 
 def readable_versions(cls: type) -> tuple[int, ...]:
@@ -93,4 +96,4 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Envelope:
         raise
     except RecursionError as exc:
         raise InvalidPayload(f"{schema}: payload nested too deeply") from exc
-    return Envelope(schema, version, producer, seq, event_ms, message)
+    return _make_envelope(schema, version, producer, seq, event_ms, message)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import Annotated, Any, TypeVar, Union
 
+from schemas.construct import constructor
 from schemas.errors import InvalidPayload
 from schemas.token_ids import PackedInts, packed_marker
 
@@ -353,7 +354,12 @@ def _fast_decoder(cls: type, copy: bool) -> Callable[[Any], Any]:
         _emit_check(g, hints[f.name], var, 2, copy)
     if not all(f.init for f in fields):
         raise TypeError(f"{cls.__name__}: fields with init=False are not supported")
-    g.emit(1, f"return {g.bind(cls, 'cls')}({', '.join(args + kwargs)})")
+    make = constructor(cls)
+    if make is cls:
+        g.emit(1, f"return {g.bind(cls, 'cls')}({', '.join(args + kwargs)})")
+    else:
+        # every field in field order (keyword-only ones too): see schemas.construct
+        g.emit(1, f"return {g.bind(make, 'make')}({', '.join(f'x{i}' for i in range(len(fields)))})")
     return g.compile(f"decode_{cls.__name__}", "value")
 
 

@@ -34,6 +34,7 @@ from aiokafka.errors import CommitFailedError, ConsumerStoppedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from schemas.codec import decode
+from schemas.construct import constructor
 from schemas.envelope import Envelope
 from schemas.errors import SchemaError
 from streams.admin import topic_name
@@ -69,6 +70,9 @@ class Record:
     @property
     def message(self) -> Any:
         return self.envelope.message
+
+
+_make_record = constructor(Record)
 
 
 @dataclass(slots=True)
@@ -332,7 +336,7 @@ class TypedConsumer:
             self.metrics.deduplicated += 1
             self._mark_done(tp, raw.offset)
             return None
-        return Record(topic, raw.partition, raw.offset, key, env, raw.timestamp)
+        return _make_record(topic, raw.partition, raw.offset, key, env, raw.timestamp)
 
     def _handled(self, tp: TopicPartition, raw: ConsumerRecord, record: Record) -> None:
         if self.dedup:

@@ -78,6 +78,8 @@ class TypedProducer:
         self._next_seq = clock() * 1000
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
+        # (topic, message type) -> broker topic name, once the type is known to travel on it
+        self._routes: dict[tuple[TopicSpec, type], str] = {}
         self.sent = 0
 
     @property
@@ -130,8 +132,11 @@ class TypedProducer:
         ``wait=False`` returns an awaitable of it as soon as the record is queued (use ``flush()``).
         Raises WrongTopic, MissingKey, a SchemaError (e.g. RecordTooLarge) or PublishError.
         """
-        if not topic.carries(message):
-            raise WrongTopic(f"{type(message).__name__} does not travel on {topic.name}")
+        route = self._routes.get((topic, type(message)))
+        if route is None:
+            if not topic.carries(message):
+                raise WrongTopic(f"{type(message).__name__} does not travel on {topic.name}")
+            route = self._routes[(topic, type(message))] = topic_name(topic, self.kafka)
         if key is None:
             key = topic.key_of(message)
             if key is None:
@@ -139,10 +144,11 @@ class TypedProducer:
         producer = self._require()
         async with self._lock:
             # Seq taken and record queued under one lock: queue order is seq order.
-            seq = self.next_seq()
+            seq = self._next_seq
+            self._next_seq = seq + 1
             value = encode(message, self.producer_id, seq, self._clock(), self.kafka.max_record_bytes)
             try:
-                fut = await producer.send(topic_name(topic, self.kafka), value, key=key.encode())
+                fut = await producer.send(route, value, key=key.encode())
             except KafkaError as exc:
                 raise PublishError(f"send to {topic.name} failed: {exc}") from exc
         self.sent += 1

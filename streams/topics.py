@@ -54,7 +54,9 @@ class TopicSpec:
 
     def key_of(self, message: object) -> str | None:
         """The record key of ``message`` on this topic, or None if the message has no such field."""
-        attr = dict(self.key_overrides).get(getattr(type(message), "SCHEMA", ""), self.key)
+        attr = self.key
+        if self.key_overrides:
+            attr = dict(self.key_overrides).get(getattr(type(message), "SCHEMA", ""), attr)
         value = getattr(message, attr, None)
         return None if value is None else str(value)
 

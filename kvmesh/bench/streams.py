@@ -1,8 +1,9 @@
 """``kvmesh bench streams``: the typed streams layer against raw aiokafka, in one run on one broker.
 
-Both clients are started once, each on its own fresh topic (a per-run ``topic_prefix``), then measured
-in ``--rounds`` alternating rounds (raw, typed, typed, raw, ...) so that a noisy machine hurts both
-alike; the reported msgs/s are the medians of the rounds.
+Measured in ``--rounds`` alternating rounds (raw, typed, typed, raw, ...) so that a noisy machine hurts
+both alike; the reported msgs/s are the medians of the rounds. Every measurement gets a fresh client on
+a fresh topic (a new ``topic_prefix``), warmed up before the clock starts: the embedded broker keeps
+topics in memory and slows as one grows, which would otherwise favour whoever measures first.
 
 * throughput: publish ``--messages`` ChatRequests (``--tokens`` prompt tokens each) as fast as the
   producer takes them while a consumer reads them; msgs/s = messages / (first send .. last receive);
@@ -205,34 +206,48 @@ async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
     results["payload_bytes"] = len(encode(messages[0], "bench", 0, 0))
     results["encode_us"], results["decode_us"] = _codec_us(messages[: min(len(messages), 2000)])
     warmup = min(200, args.messages)
-    total = 2 * (warmup + args.rounds * args.messages + args.latency_messages)
-    clients: dict[str, _Client] = {}
+    total = 2 * (args.rounds * (warmup + args.messages) + warmup + args.latency_messages)
     rates: dict[str, list[float]] = {"raw": [], "typed": []}
     # CPU time of this process per message: the client side's own cost, less hurt by a busy box
     # than wall-clock rates (the broker runs in its own process)
     cpu: dict[str, list[float]] = {"raw": [], "typed": []}
-    with tqdm(total=total, desc="bench streams", unit="msg", file=sys.stderr) as bar:
+    fresh = iter(range(1_000_000))
+
+    async def started(label: str) -> _Client:
+        # A fresh topic per measurement: the in-memory broker slows as a topic grows, so reusing one
+        # would favour whichever side measures first in a round.
+        prefix = f"bench-{run_id}-{label}{next(fresh)}."
+        kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=prefix)
+        await ensure_topics(kafka, [REQUESTS])
+        client = _Client(kafka, label == "typed", messages)
+        await client.start()
         try:
-            for label in ("raw", "typed"):
-                kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"bench-{run_id}-{label}.")
-                await ensure_topics(kafka, [REQUESTS])
-                clients[label] = _Client(kafka, label == "typed", messages)
-                await clients[label].start()
-                # Warm-up: connections, metadata and the first fetches are not what is measured.
-                await _throughput(clients[label], warmup, bar)
-            for r in range(args.rounds):
-                order = ("raw", "typed") if r % 2 == 0 else ("typed", "raw")
-                for label in order:
-                    rates[label].append(await _throughput(clients[label], args.messages, bar, cpu[label]))
-            for label in ("raw", "typed"):
-                lat = await _latency(clients[label], args.latency_messages, args.rate, bar)
-                prefix = "" if label == "typed" else "raw_"
-                results[f"{prefix}p50_ms"] = _pct(lat, 0.50)
-                results[f"{prefix}p99_ms"] = _pct(lat, 0.99)
-                results[f"{prefix}mean_ms"] = statistics.fmean(lat) if lat else float("nan")
-        finally:
-            for client in clients.values():
+            # Warm-up: connections, metadata and the first fetches are not what is measured.
+            await _throughput(client, warmup, bar)
+        except BaseException:
+            await client.stop()
+            raise
+        return client
+
+    with tqdm(total=total, desc="bench streams", unit="msg", file=sys.stderr) as bar:
+        for r in range(args.rounds):
+            order = ("raw", "typed") if r % 2 == 0 else ("typed", "raw")
+            for label in order:
+                client = await started(label)
+                try:
+                    rates[label].append(await _throughput(client, args.messages, bar, cpu[label]))
+                finally:
+                    await client.stop()
+        for label in ("raw", "typed"):
+            client = await started(label)
+            try:
+                lat = await _latency(client, args.latency_messages, args.rate, bar)
+            finally:
                 await client.stop()
+            prefix = "" if label == "typed" else "raw_"
+            results[f"{prefix}p50_ms"] = _pct(lat, 0.50)
+            results[f"{prefix}p99_ms"] = _pct(lat, 0.99)
+            results[f"{prefix}mean_ms"] = statistics.fmean(lat) if lat else float("nan")
     for label in ("raw", "typed"):
         results[f"{label}_msgs_per_s"] = statistics.median(rates[label])
         results[f"{label}_msgs_per_s_rounds"] = rates[label]
@@ -253,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="prompt tokens per ChatRequest")
     parser.add_argument("--latency-messages", type=int, default=200)
     parser.add_argument("--rate", type=float, default=200.0, help="msgs/s in the latency phase")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating throughput rounds per client")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating throughput rounds per client")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON line last")
     args = parser.parse_args(argv)
 

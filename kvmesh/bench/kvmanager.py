@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import multiprocessing
@@ -37,6 +36,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from tqdm import tqdm
 
+from kvmesh.runtime import GC_GEN0_THRESHOLD, tune_gc
 from schemas.messages import KvEvent
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import Directory
@@ -133,7 +133,8 @@ async def produce_paced(
 
 
 def produce_paced_process(kafka: KafkaSettings, maker: EventMaker, first: int, n: int, rate: float) -> None:
-    """Entry point of the lag phase's producer process."""
+    """Entry point of the lag phase's producer process (collector tuned as a worker's is)."""
+    tune_gc()
     asyncio.run(produce_paced(kafka, maker, first, n, rate))
 
 
@@ -171,9 +172,8 @@ async def run(args: argparse.Namespace, kafka: KafkaSettings, redis: RedisSettin
     svc = KvManagerService(settings, on_flush=on_flush)
     bar = tqdm(total=args.events, desc="apply", disable=args.json, mininterval=0.5)
     await svc.start()
-    # As `kvmesh kvmanager` does once started: what is alive now stays out of later collections.
-    gc.collect()
-    gc.freeze()
+    # As `kvmesh kvmanager` does once started (kvmesh.runtime.tune_gc).
+    tune_gc()
     try:
         t0 = time.perf_counter()
         while flushed["n"] < args.events:
@@ -223,6 +223,7 @@ async def run(args: argparse.Namespace, kafka: KafkaSettings, redis: RedisSettin
         "lag_max_ms": round(max(lags, default=0.0), 2),
         "throughput_phase": "topic pre-loaded, then the manager drains it: first record to last flush",
         "lag_phase": f"paced at {args.rate:g}/s from a {args.producer} producer; envelope time to flush end",
+        "gc_gen0_threshold": GC_GEN0_THRESHOLD,
         "goal_events_per_s": 50_000,
         "goal_lag_p99_ms": 50,
     }

@@ -34,6 +34,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
+from kvmesh.runtime import GC_GEN0_THRESHOLD, tune_gc
 from schemas.blocks import block_hashes
 from schemas.codec import decode, encode
 from schemas.messages import ChatRequest
@@ -205,6 +206,9 @@ async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
     }
     results["payload_bytes"] = len(encode(messages[0], "bench", 0, 0))
     results["encode_us"], results["decode_us"] = _codec_us(messages[: min(len(messages), 2000)])
+    # Both sides run under the collector settings every kvmesh service uses once started.
+    tune_gc()
+    results["gc_gen0_threshold"] = GC_GEN0_THRESHOLD
     warmup = min(200, args.messages)
     total = 2 * (args.rounds * (warmup + args.messages) + warmup + args.latency_messages)
     rates: dict[str, list[float]] = {"raw": [], "typed": []}

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import sys
 
+from kvmesh.runtime import tune_gc
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.service import KvManagerService
 
@@ -46,8 +46,7 @@ async def serve(settings: KvManagerSettings) -> None:
     async with KvManagerService(settings):
         # What is alive now (modules, settings, the directory loaded from Redis) lives as long as the
         # process: keep it out of every later full collection, whose pauses would add to the lag.
-        gc.collect()
-        gc.freeze()
+        tune_gc()
         await stop.wait()
 
 

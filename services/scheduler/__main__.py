@@ -10,6 +10,7 @@ import signal
 import sys
 from typing import Any
 
+from kvmesh.runtime import tune_gc
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.policies import POLICIES
 from services.scheduler.service import SchedulerService
@@ -51,6 +52,7 @@ async def _serve(settings: SchedulerSettings) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     async with SchedulerService(settings):
+        tune_gc()
         await stop.wait()
 
 

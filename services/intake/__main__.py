@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.kafka.bootstrap_servers = args.bootstrap
     # log_config=None keeps our logging format; access logs carry no headers, so no keys.
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, tune_gc_on_start=True),
         host=settings.host,
         port=settings.port,
         log_config=None,

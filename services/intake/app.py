@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvmesh.runtime import tune_gc
 from kvmesh.tokenizer import Tokenizer
 from services.intake.config import IntakeSettings
 from services.intake.errors import IntakeError
@@ -16,8 +17,18 @@ from services.intake.routes import ROUTERS
 from services.intake.service import IntakeService
 
 
-def create_app(settings: IntakeSettings | None = None, *, tokenizer: Tokenizer | None = None) -> FastAPI:
-    """An intake app; its lifespan starts an :class:`IntakeService` (Kafka) and stops it at shutdown."""
+def create_app(
+    settings: IntakeSettings | None = None,
+    *,
+    tokenizer: Tokenizer | None = None,
+    tune_gc_on_start: bool = False,
+) -> FastAPI:
+    """An intake app; its lifespan starts an :class:`IntakeService` (Kafka) and stops it at shutdown.
+
+    ``tune_gc_on_start``: once started, apply kvmesh.runtime.tune_gc, as every kvmesh service process
+    does (``kvmesh intake`` sets it; an app embedded in another process, or in tests, leaves the
+    process's collector alone).
+    """
     settings = settings or IntakeSettings()
 
     @asynccontextmanager
@@ -26,6 +37,8 @@ def create_app(settings: IntakeSettings | None = None, *, tokenizer: Tokenizer |
         await service.start()
         app.state.service = service
         app.state.started_s = int(time.time())
+        if tune_gc_on_start:
+            tune_gc()
         try:
             yield
         finally:

@@ -4,19 +4,24 @@ At ``--time-scale 0.28`` (arrivals 1/0.28 = 3.6x the trace's rate) round_robin's
 kvmesh must stay at most 40 % of it and 80 % of prefix_aware's, no more than 10 points more imbalanced
 than least_loaded. The simulator is deterministic, so this is a regression test of the policy, not a
 timing test (README, "Benchmarks", has the sweep over load levels and where the goal does not hold).
-Skipped where the shared trace directory is not checked out beside the repository.
+Skipped where the shared trace directory is not checked out beside the repository (or named by
+``KVMESH_TRACES``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from kvmesh.sim.__main__ import main
 
-TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+#: The shared traces live beside the repository (../shared/traces); KVMESH_TRACES names another folder.
+_BESIDE = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = Path(os.environ.get("KVMESH_TRACES") or _BESIDE)
+TRACE = TRACES / "mooncake_synthetic_trace.jsonl"
 
 
 @pytest.mark.slow

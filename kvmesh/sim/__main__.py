@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
         "--overlap-fetch", action="store_true", help="what-if: workers queue requests while pulling"
     )
     p.add_argument(
+        "--lru-eviction",
+        action="store_true",
+        help="what-if: plain LRU caches (default: fleet-aware eviction, as live workers)",
+    )
+    p.add_argument(
         "--router", action="append", default=[], metavar="KEY=VALUE", help="RouterSettings override"
     )
     p.add_argument("--users", type=int, default=32, help="multiturn: conversations")
@@ -191,6 +196,7 @@ def _run_policies(
             lag_ms=args.lag_ms,
             heartbeat_ms=args.heartbeat_ms,
             overlap_fetch=args.overlap_fetch,
+            fleet_aware_eviction=not args.lru_eviction,
             router=router,
         )
         started = time.perf_counter()
@@ -245,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": block_size,
         "lag_ms": args.lag_ms,
         "overlap_fetch": args.overlap_fetch,
+        "fleet_aware_eviction": not args.lru_eviction,
         "policies": summaries,
     }
     if recorder is not None:
@@ -292,6 +299,7 @@ def _sweep(
         "block_size": block_size,
         "lag_ms": args.lag_ms,
         "overlap_fetch": args.overlap_fetch,
+        "fleet_aware_eviction": not args.lru_eviction,
     }
     if args.plot:
         from kvmesh.sim.plots import write_sweep_plot  # matplotlib only when asked for

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.costmodel import PerfProfile
+from kvmesh.sim.cache import FleetHolders
 from kvmesh.sim.errors import SimError
 from kvmesh.sim.events import EventQueue
 from kvmesh.sim.metrics import RequestRecord, summarize
@@ -66,6 +67,8 @@ class SimConfig:
     heartbeat_ms: float = 2000.0
     retry_ms: float = 50.0
     overlap_fetch: bool = False  # what-if: a worker queues a request while pulling its blocks
+    # As live workers do: evict blocks other workers also hold first (kvmesh.sim.cache). False: LRU.
+    fleet_aware_eviction: bool = True
     router: dict[str, Any] = field(default_factory=dict)
     view: ViewSettings = field(default_factory=ViewSettings)
 
@@ -111,6 +114,7 @@ class Simulation:
         self.queue = EventQueue()
         self.peers: dict[str, SimWorker] = {}
         width = len(str(config.workers - 1))
+        fleet = FleetHolders() if config.fleet_aware_eviction else None
         self.workers = [
             SimWorker(
                 i,
@@ -120,6 +124,7 @@ class Simulation:
                 self._schedule,
                 self.peers,
                 config.overlap_fetch,
+                fleet,
             )
             for i in range(config.workers)
         ]

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.costmodel import PerfProfile, decode_ms, promote_ms, recompute_ms, transfer_ms
-from kvmesh.sim.cache import Change, TieredCache
+from kvmesh.sim.cache import Change, FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
 from schemas.messages import (
     TIERS,
@@ -87,13 +87,15 @@ class SimWorker:
         schedule: Schedule,
         peers: dict[str, SimWorker],
         overlap_fetch: bool = False,
+        fleet: FleetHolders | None = None,
     ) -> None:
         self.index = index
         self.worker_id = worker_id
         self.address = f"sim://{worker_id}"
         self.profile = profile
         self.peers = peers  # every worker of the fleet by id (a shared dict), for fetches
-        self.cache = TieredCache(profile.gpu_blocks, profile.dram_blocks, profile.disk_blocks)
+        # fleet: the holder counts shared by every worker's cache (fleet-aware eviction); None: LRU
+        self.cache = TieredCache(profile.gpu_blocks, profile.dram_blocks, profile.disk_blocks, fleet)
         self.busy_ms = 0.0
         self.finished: list[RequestRecord] = []
         self.last_report_ms = -1.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.sim.cache import TieredCache
+from kvmesh.sim.cache import FleetHolders, TieredCache
 
 
 def test_store_then_demote_down_the_tiers() -> None:
@@ -41,3 +41,47 @@ def test_insert_lands_in_the_named_tier_and_skips_held_blocks() -> None:
     # a tier of capacity 0: straight to the GPU tier
     g = TieredCache(gpu_blocks=2)
     assert g.insert([5], [0], 1) == [("stored", "gpu", None, [5], [0])]
+
+
+def test_fleet_aware_eviction_takes_a_block_held_elsewhere_first() -> None:
+    fleet = FleetHolders()
+    a = TieredCache(gpu_blocks=3, dram_blocks=4, fleet=fleet)
+    b = TieredCache(gpu_blocks=8, fleet=fleet)
+    a.access([1, 2, 3], [0, 1, 2])
+    b.access([2], [0])  # b holds a copy of 2
+    assert fleet.counts == {1: 1, 2: 2, 3: 1}
+    changes = a.access([4], [3])
+    # 1 is the least recent, but 2 has a copy on b: 2 leaves a's GPU
+    assert changes[1] == ("moved", "dram", "gpu", [2], [])
+    assert a.tier_of(1) == 0 and a.tier_of(2) == 1
+    # the same calls without the shared counts evict plain LRU
+    lru = TieredCache(gpu_blocks=3, dram_blocks=4)
+    lru.access([1, 2, 3], [0, 1, 2])
+    assert lru.access([4], [3])[1] == ("moved", "dram", "gpu", [1], [])
+
+
+def test_dram_drops_blocks_held_elsewhere_and_demotes_last_copies() -> None:
+    fleet = FleetHolders()
+    a = TieredCache(gpu_blocks=1, dram_blocks=1, disk_blocks=4, fleet=fleet)
+    b = TieredCache(gpu_blocks=8, fleet=fleet)
+    b.access([1], [0])
+    a.access([1], [0])
+    a.access([2], [0])  # 1 -> dram
+    changes = a.access([3], [0])  # 2 -> dram; dram's victim is 1, held by b: dropped, not to disk
+    assert ("removed", "dram", None, [1], []) in changes
+    assert a.tier_of(1) is None and fleet.counts[1] == 1
+    changes = a.access([4], [0])  # 3 -> dram; 2 is a last copy: demoted to disk
+    assert ("moved", "disk", "dram", [2], []) in changes
+    assert a.tier_of(2) == 2 and fleet.counts[2] == 1
+
+
+def test_fleet_aware_choice_leaves_the_blocks_of_the_call_in_progress() -> None:
+    fleet = FleetHolders()
+    a = TieredCache(gpu_blocks=2, dram_blocks=4, fleet=fleet)
+    b = TieredCache(gpu_blocks=8, fleet=fleet)
+    b.access([1, 2, 3], [0, 1, 2])
+    a.access([9], [0])
+    # 1 and 2 are held by b, but they are the blocks of this access: 9 (no copy elsewhere) goes
+    changes = a.access([1, 2], [0, 1])
+    assert [c for c in changes if c[0] == "moved"] == [("moved", "dram", "gpu", [9], [])]
+    assert a.tier_of(1) == 0 and a.tier_of(2) == 0

@@ -242,16 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"kvmesh simulate: {exc}\n")
         return 2
     out: dict[str, Any] = {
-        "trace": args.trace,
+        **_run_settings(args, block_size),
         "workload": None if args.trace else (args.workload or "multiturn"),
-        "workers": args.workers,
         "time_scale": args.time_scale,
-        "max_requests": args.max_requests,
-        "profile": args.profile,
-        "block_size": block_size,
-        "lag_ms": args.lag_ms,
-        "overlap_fetch": args.overlap_fetch,
-        "fleet_aware_eviction": not args.lru_eviction,
         "policies": summaries,
     }
     if recorder is not None:
@@ -262,6 +255,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
     return 0
+
+
+def _run_settings(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
+    """What a run's JSON repeats of its settings (single scale and sweep alike)."""
+    return {
+        "trace": args.trace,
+        "workers": args.workers,
+        "max_requests": args.max_requests,
+        "profile": args.profile,
+        "block_size": block_size,
+        "lag_ms": args.lag_ms,
+        "overlap_fetch": args.overlap_fetch,
+        "fleet_aware_eviction": not args.lru_eviction,
+    }
 
 
 def _sweep(
@@ -289,17 +296,10 @@ def _sweep(
         sweep.append({"time_scale": scale, "policies": summaries, "goal": goal})
     met = [row["time_scale"] for row in sweep if row["goal"] is not None and row["goal"]["met"]]
     out: dict[str, Any] = {
+        **_run_settings(args, block_size),
         "sweep": sweep,
         "goal_met_at": met,
-        "trace": args.trace,
-        "workers": args.workers,
         "time_scales": scales,
-        "max_requests": args.max_requests,
-        "profile": args.profile,
-        "block_size": block_size,
-        "lag_ms": args.lag_ms,
-        "overlap_fetch": args.overlap_fetch,
-        "fleet_aware_eviction": not args.lru_eviction,
     }
     if args.plot:
         from kvmesh.sim.plots import write_sweep_plot  # matplotlib only when asked for

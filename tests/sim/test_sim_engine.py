@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from sim_helpers import tiny_trace
 
 from kvmesh.costmodel import PROFILES
 from kvmesh.sim.__main__ import main
@@ -71,20 +72,8 @@ def test_bad_config_is_refused() -> None:
         SimConfig(workers=0)
 
 
-def _trace(path: Path, n: int) -> Path:
-    rows = []
-    for i in range(n):
-        shared = [0, 1, 2] if i % 2 else [10, 11]
-        ids = [*shared, 100 + 3 * i, 101 + 3 * i]
-        rows.append(
-            {"timestamp": 200 * i, "input_length": 512 * len(ids) - 7, "output_length": 4, "hash_ids": ids}
-        )
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def test_cli_on_a_trace_prints_json_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trace = _trace(tmp_path / "trace.jsonl", 40)
+    trace = tiny_trace(tmp_path / "trace.jsonl", 40)
     rc = main(
         [
             "--trace",

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sim_helpers import tiny_trace
 
 from kvmesh.sim.__main__ import main
 from kvmesh.sim.metrics import issue8_goal
@@ -78,18 +79,6 @@ def test_shade_spans_reach_halfway_to_neighbours() -> None:
     assert _shade_spans([0.25, 0.3], []) == []
 
 
-def _trace(path: Path, n: int) -> Path:
-    rows = []
-    for i in range(n):
-        shared = [0, 1, 2] if i % 2 else [10, 11]
-        ids = [*shared, 100 + 3 * i, 101 + 3 * i]
-        rows.append(
-            {"timestamp": 200 * i, "input_length": 512 * len(ids) - 7, "output_length": 4, "hash_ids": ids}
-        )
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kvmesh")
 
 
@@ -99,7 +88,7 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
 
 
 def test_cli_sweep_prints_one_json_object_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trace = _trace(tmp_path / "trace.jsonl", 40)
+    trace = tiny_trace(tmp_path / "trace.jsonl", 40)
     common = ["--trace", str(trace), "--workers", "4", "--policies", ",".join(POLICIES)]
     common += ["--max-requests", "30", "--json"]
     out = _run([*common, "--time-scales", "0.5,1", "--plot", str(tmp_path / "plots")], capsys)
@@ -130,7 +119,7 @@ def test_cli_sweep_prints_one_json_object_last(tmp_path: Path, capsys: pytest.Ca
 def test_cli_sweep_without_the_goal_policies_has_no_goal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = _trace(tmp_path / "trace.jsonl", 20)
+    trace = tiny_trace(tmp_path / "trace.jsonl", 20)
     argv = ["--trace", str(trace), "--workers", "2", "--policies", "round_robin,kvmesh"]
     out = _run([*argv, "--time-scales", "1", "--json"], capsys)
     assert out["sweep"][0]["goal"] is None and out["goal_met_at"] == []
@@ -139,7 +128,7 @@ def test_cli_sweep_without_the_goal_policies_has_no_goal(
 def test_cli_sweep_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--workload", "multiturn", "--time-scales", "0.5", "--no-progress"]) == 2
     assert "--time-scales needs --trace" in capsys.readouterr().err
-    trace = _trace(tmp_path / "trace.jsonl", 10)
+    trace = tiny_trace(tmp_path / "trace.jsonl", 10)
     argv = ["--trace", str(trace), "--policies", "kvmesh", "--time-scales", "0.5"]
     assert main([*argv, "--record", str(tmp_path / "r.jsonl")]) == 2
     assert "--record" in capsys.readouterr().err

@@ -21,8 +21,6 @@ from typing import Annotated, Any, ClassVar, TypeVar, overload
 
 import numpy as np
 
-#: Bytes per token id on the wire.
-ITEM_BYTES = 4
 _SWAP = sys.byteorder != "little"
 _P = TypeVar("_P", bound="PackedInts")
 

@@ -144,8 +144,7 @@ class TypedProducer:
         producer = self._require()
         async with self._lock:
             # Seq taken and record queued under one lock: queue order is seq order.
-            seq = self._next_seq
-            self._next_seq = seq + 1
+            seq = self.next_seq()
             value = encode(message, self.producer_id, seq, self._clock(), self.kafka.max_record_bytes)
             try:
                 fut = await producer.send(route, value, key=key.encode())

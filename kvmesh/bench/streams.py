@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -215,7 +216,7 @@ async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
     # CPU time of this process per message: the client side's own cost, less hurt by a busy box
     # than wall-clock rates (the broker runs in its own process)
     cpu: dict[str, list[float]] = {"raw": [], "typed": []}
-    fresh = iter(range(1_000_000))
+    fresh = itertools.count()
 
     async def started(label: str) -> _Client:
         # A fresh topic per measurement: the in-memory broker slows as a topic grows, so reusing one

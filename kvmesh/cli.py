@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("kvmesh.replay.__main__", "re-run scheduler decisions over a recorded window of topics"),
     "record": ("kvmesh.replay.record", "record a window of the topics to a file"),
     "bench": ("kvmesh.bench.__main__", "benchmarks: streams, worker, transfer, scheduler, kvmanager, fleet"),
+    "model": ("kvmesh.modeldir", "model directories: `kvmesh model init DIR` writes a small seeded Llama"),
 }
 
 

@@ -24,6 +24,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help='"key1:tenantA,key2:tenantB": intake then requires Bearer keys (default: KVMESH_API_KEYS)',
     )
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin", help="the workers' engine")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="a built-in size (tiny, small) or a local model directory (`kvmesh model init DIR`)",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=None, help="the fleet's block size (default: 16, or 32 for vllm)"
+    )
+    p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     settings = DevStackSettings(
@@ -35,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         dram_blocks=args.dram_blocks,
         log_level=args.log_level,
         api_keys=args.api_keys,
+        engine=args.engine,
+        model=args.model,
+        block_size=args.block_size,
+        max_context=args.max_context,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

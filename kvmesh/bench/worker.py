@@ -6,6 +6,9 @@ its first token; the fastest of ``--repeats`` fresh prompts counts (a shared box
 All cases run in one engine, side by side. The 2-core CPU default stops at 4k tokens
 (16k with the tiny model takes minutes there); pass ``--lengths 1024,4096,16384`` to go further.
 
+``--engine vllm --model DIR`` runs the same measurement through vLLM (its CPU build here; block size 32)
+on a local model directory (``kvmesh model init DIR`` writes a small one).
+
 With ``--json`` the last stdout line is one JSON object: ``ttft_ms[length][cached_pct]``,
 ``ttft_ratio_90pct_cached_4k``, decode tokens/s and the measured ``profile`` (readable by
 ``kvmesh.costmodel.load_profile``).
@@ -26,7 +29,9 @@ from tqdm import tqdm
 
 from schemas.blocks import block_hashes
 from schemas.messages import SamplingParams
-from services.worker.engine import Engine, EngineConfig, EngineRequest
+from services.worker.config import WorkerSettings
+from services.worker.engine_api import EngineRequest, WorkerEngine
+from services.worker.engines import build_engine
 
 log = logging.getLogger(__name__)
 NS = b"t:bench"
@@ -34,13 +39,14 @@ NS = b"t:bench"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh bench worker", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin")
+    p.add_argument("--model", default="tiny", help="a built-in size or a local model directory")
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--lengths", default=None, help="prompt lengths, comma separated (default by machine)")
     p.add_argument("--cached", default="0,50,90,100", help="cached percents, comma separated")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="default 16 (builtin) or 32 (vllm)")
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--decode-batch", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -57,8 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _request(eng: Engine, rid: str, tokens: list[int], max_tokens: int) -> EngineRequest:
-    bs = eng.layout.block_size
+def _sync(eng: WorkerEngine) -> None:
+    sync = getattr(eng, "_sync", None)  # the built-in engine on a GPU: wait for its kernels
+    if sync is not None:
+        sync()
+
+
+def _request(eng: WorkerEngine, rid: str, tokens: list[int], max_tokens: int) -> EngineRequest:
+    bs = eng.block_size
     return EngineRequest(
         request_id=rid,
         session_id=rid,
@@ -71,9 +83,9 @@ def _request(eng: Engine, rid: str, tokens: list[int], max_tokens: int) -> Engin
     )
 
 
-def _run_to_first_token(eng: Engine, req: EngineRequest) -> tuple[float, int]:
+def _run_to_first_token(eng: WorkerEngine, req: EngineRequest) -> tuple[float, int]:
     """Time from add_request to the first token (ms), and the tokens reused."""
-    eng._sync()
+    _sync(eng)
     t0 = time.perf_counter()
     eng.add_request(req)
     reused = 0
@@ -81,7 +93,7 @@ def _run_to_first_token(eng: Engine, req: EngineRequest) -> tuple[float, int]:
         outs = eng.step()
         done = [o for o in outs if o.request_id == req.request_id and o.first_token]
         if done:
-            eng._sync()
+            _sync(eng)
             ms = (time.perf_counter() - t0) * 1e3
             reused = done[0].stats.reused_tokens if done[0].stats else 0
             break
@@ -101,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads or 1)
     lengths = [int(x) for x in (args.lengths or ("1024,4096,16384" if cuda else "1024,4096")).split(",")]
     cached = [int(x) for x in args.cached.split(",")]
-    bs = args.block_size
+    bs = args.block_size or (32 if args.engine == "vllm" else 16)
     max_len = max(lengths)
     blocks = 2 * (max_len // bs) + args.decode_batch * (256 + args.decode_tokens) // bs + 64
-    eng = Engine(
-        EngineConfig(
+    eng = build_engine(
+        WorkerSettings(
+            worker_id="bench",
+            engine=args.engine,
             model=args.model,
             checkpoint=args.checkpoint,
             device=args.device,
@@ -117,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             max_context=max(max_len, 256) + 64,
             prefill_chunk=args.prefill_chunk,
             seed=args.seed,
-            worker_id="bench",
+            insecure_dev_transfer=True,  # no data plane runs here
         )
     )
-    vocab = eng.tokenizer.generation_vocab() or list(range(min(eng.model_cfg.vocab_size, 256)))
+    vocab = eng.tokenizer.generation_vocab() or list(range(min(eng.vocab_size, 256)))
     rng = random.Random(args.seed)
     profile = eng.calibrate()
     _run_to_first_token(eng, _request(eng, "warmup", _prompt(rng, vocab, 256), 1))
@@ -150,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in tqdm(range(10_000), desc="decode", file=sys.stderr, disable=None):
         if not eng.has_work():
             break
-        eng._sync()
+        _sync(eng)
         t0 = time.perf_counter()
         outs = eng.step()
-        eng._sync()
+        _sync(eng)
         if outs and all(not o.first_token for o in outs):
             decode_s += time.perf_counter() - t0
             decode_tokens += sum(len(o.new_token_ids) for o in outs)
@@ -165,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = round(ttft[ref]["90"] / ttft[ref]["0"], 4)
     result = {
         "bench": "worker",
-        "model": eng.model_cfg.name,
-        "device": str(eng.device),
-        "dtype": eng.layout.dtype,
+        "engine": eng.kind,
+        "model": eng.model_name,
+        "device": str(getattr(eng, "device", "cpu")),
+        "dtype": eng.dtype,
         "block_size": bs,
         "prefill_chunk": args.prefill_chunk,
         "repeats": args.repeats,
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "profile": dataclasses.asdict(profile),
     }
-    lines = [f"worker bench: {result['model']} on {result['device']} ({result['dtype']})"]
+    lines = [f"worker bench: {eng.describe()} on {result['device']}"]
     lines.append("TTFT ms  " + "".join(f"{p:>10}%" for p in cached))
     for n in lengths:
         lines.append(f"{n:>7}  " + "".join(f"{ttft[str(n)][str(p)]:>11.1f}" for p in cached))
@@ -190,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write("\n".join(lines) + "\n")
     if args.plot:
         _plot(ttft, lengths, cached, args.plot)
+    eng.release_all()
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     return 0

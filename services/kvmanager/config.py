@@ -18,6 +18,9 @@ class KvManagerSettings(BaseSettings):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
     manager_id: str = "kvmanager-0"
+    # The fleet's block size: a worker announcing another one is refused (never indexed). None accepts
+    # every size (a directory shared by fleets of several block sizes).
+    block_size: int | None = Field(default=None, gt=0)
 
     # Liveness: a worker whose last LoadReport is older than this is declared lost.
     liveness_timeout_ms: int = 5000

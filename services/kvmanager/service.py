@@ -80,6 +80,7 @@ class KvManagerService:
         on_flush: FlushHook | None = None,
     ) -> None:
         self.settings = settings
+        self.refused_workers: set[str] = set()  # announced another block size than the fleet's
         self.clock = clock
         self.on_flush = on_flush
         self.directory = Directory()
@@ -221,6 +222,9 @@ class KvManagerService:
         if not self.directory.accept(record.topic, record.partition, record.offset, env.producer, env.seq):
             return []
         msg = env.message
+        bs = self.settings.block_size
+        if isinstance(msg, LoadReport | KvEvent) and not self._block_size_ok(msg, bs):
+            return []
         if isinstance(msg, KvEvent):
             self.directory.apply_kv_event(msg, env.event_ms)
             if self.on_flush is not None:
@@ -231,6 +235,26 @@ class KvManagerService:
             self.directory.observe_lookup(msg)
             return [(CONTROL, hint) for hint in self.placement.on_request(msg, self.directory)]
         return []
+
+    def _block_size_ok(self, msg: LoadReport | KvEvent, block_size: int | None) -> bool:
+        """False for a worker that announced another block size than the fleet's: its blocks would be
+        mis-indexed, so neither its report nor its events enter the directory (logged once)."""
+        if block_size is None:
+            return True
+        if isinstance(msg, LoadReport):
+            if msg.block_size != block_size:
+                if msg.worker_id not in self.refused_workers:
+                    log.error(
+                        "worker %s announces block size %d, the fleet's is %d: refused",
+                        msg.worker_id,
+                        msg.block_size,
+                        block_size,
+                    )
+                self.refused_workers.add(msg.worker_id)
+                return False
+            self.refused_workers.discard(msg.worker_id)
+            return True
+        return msg.worker_id not in self.refused_workers
 
     def _liveness(self) -> list[tuple[TopicSpec, Any]]:
         s = self.settings

@@ -127,7 +127,8 @@ def score_worker(
         move = promote_ms(p, "dram", dram) + promote_ms(p, "disk", disk)
     fetch = 0
     fetch_from = None
-    if peer is not None:
+    # Only engines that move KV blocks with peers (both ends) can fetch; others reuse in place.
+    if peer is not None and ws.report.peer_transfer and peer.ws.report.peer_transfer:
         k = min(peer.counts[0], max_reuse) - cached
         if k >= max(fetch_min_blocks, 1):
             # the index counts the peer's tiers over its whole run, not per position: share them out

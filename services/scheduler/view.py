@@ -102,6 +102,7 @@ class FleetView:
         self.workers: dict[str, WorkerState] = {}
         self.assignments_noted = 0
         self._lost: dict[str, int] = {}  # worker → declared_ms of its last WorkerLost
+        self.refused: dict[str, str] = {}  # worker → why its announce was refused (block size)
         self._inflight: dict[str, _Inflight] = {}
         self._inflight_order: deque[str] = deque()
         self._tenant_inflight: dict[str, int] = {}
@@ -124,6 +125,8 @@ class FleetView:
 
     # -- events ----------------------------------------------------------------------------------
     def apply_kv_event(self, ev: KvEvent) -> None:
+        if ev.worker_id in self.refused:
+            return
         lost_ms = self._lost.get(ev.worker_id)
         if lost_ms is not None:
             # a stale event of a worker declared lost: its blocks went with it. Events without a time
@@ -141,6 +144,11 @@ class FleetView:
             self.index.remove_worker(ev.worker_id)
 
     def apply_load(self, lr: LoadReport) -> None:
+        if lr.block_size != self.block_size:
+            self._refuse(lr)
+            return
+        if self.refused.pop(lr.worker_id, None) is not None:
+            log.info("worker %s now announces the fleet's block size %d", lr.worker_id, lr.block_size)
         lost_ms = self._lost.get(lr.worker_id)
         if lost_ms is not None and lr.report_ms <= lost_ms:
             return  # older than the WorkerLost that dropped it (out-of-order or replayed report)
@@ -171,6 +179,24 @@ class FleetView:
         if not pending:
             ws.pending_total_ms = 0.0  # no float drift
         self._set_load_key(lr.worker_id, ws.base_queue_ms + ws.pending_total_ms)
+
+    def _refuse(self, lr: LoadReport) -> None:
+        """A worker cut its blocks at another size than the fleet: its hashes would never match a
+        request's, and its blocks would be mis-indexed. It is not a candidate and its events are dropped."""
+        reason = (
+            f"worker {lr.worker_id} announces block size {lr.block_size}, the fleet's is {self.block_size}: "
+            "refused (set the same KVMESH_*_BLOCK_SIZE on every worker, scheduler and intake)"
+        )
+        first = self.refused.get(lr.worker_id) != reason
+        if first:
+            log.error("%s", reason)
+            self.refused[lr.worker_id] = reason
+        was_member = self.workers.pop(lr.worker_id, None) is not None
+        if was_member:
+            self._version += 1
+            self._set_load_key(lr.worker_id, None)
+        if first or was_member:
+            self.index.remove_worker(lr.worker_id)  # a scan: once per refusal, not per report
 
     def apply_worker_lost(self, wl: WorkerLost) -> None:
         prev = self._lost.get(wl.worker_id, -1)

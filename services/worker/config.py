@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Literal
+
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.worker.errors import ModelConfigError
+from services.worker.model_configs import MODEL_CONFIGS
 from streams.settings import KafkaSettings
+
+
+def model_dir_of(model: str, must_exist: bool = False) -> Path | None:
+    """``model`` as a local directory, or None when it names a built-in size ("tiny", "kvmesh-small")."""
+    if model.removeprefix("kvmesh-") in MODEL_CONFIGS and not Path(model).is_dir():
+        return None
+    p = Path(model).expanduser()
+    if must_exist and not p.is_dir():
+        raise ModelConfigError(
+            f"model {model!r} is neither a built-in size ({', '.join(MODEL_CONFIGS)}) nor an existing "
+            "local model directory (config.json + *.safetensors); make one with `kvmesh model init DIR`"
+        )
+    return p
+
+
+def served_model_for(model: str) -> str:
+    """The OpenAI model name a worker serves ``model`` under unless told otherwise."""
+    d = model_dir_of(model)
+    name = d.name if d is not None else model
+    return name if name.startswith("kvmesh-") else f"kvmesh-{name}"
 
 
 class WorkerSettings(BaseSettings):
@@ -16,9 +41,12 @@ class WorkerSettings(BaseSettings):
     )
 
     worker_id: str = "worker-0"
-    # Engine and KV cache
+    # Which engine runs the model: the built-in torch engine (the embedded default) or vLLM.
+    engine: Literal["builtin", "vllm"] = "builtin"
+    # Engine and KV cache. ``model`` is a built-in size ("tiny", "small") or a local model directory
+    # (config.json + *.safetensors + tokenizer, e.g. from ``kvmesh model init DIR``).
     model: str = "tiny"
-    # The name clients ask for (OpenAI ``model``); defaults to ``kvmesh-<model>``.
+    # The name clients ask for (OpenAI ``model``); defaults to ``kvmesh-<model>`` (the directory's name).
     served_model_name: str | None = None
     checkpoint: str | None = None
     device: str = "auto"
@@ -58,6 +86,11 @@ class WorkerSettings(BaseSettings):
             "KVMESH_WORKER_MAX_BLOCKS_PER_FETCH", "KVMESH_MAX_BLOCKS_PER_FETCH", "max_blocks_per_fetch"
         ),
     )
+    # vLLM engine only: the KV cache space vLLM's CPU backend reserves (GiB, VLLM_CPU_KVCACHE_SPACE)
+    # when ``gpu_blocks`` does not size it, and how many past event batches its replay endpoint keeps.
+    vllm_kv_cache_gib: int = Field(default=1, gt=0)
+    vllm_event_buffer_steps: int = Field(default=10_000, gt=0)
+    vllm_enforce_eager: bool = True
     # Reporting
     load_interval_ms: int = 500
     calibrate: bool = True
@@ -76,7 +109,14 @@ class WorkerSettings(BaseSettings):
 
     @property
     def served_model(self) -> str:
-        return self.served_model_name or f"kvmesh-{self.model}"
+        return self.served_model_name or served_model_for(self.model)
+
+    def model_dir(self) -> Path | None:
+        """The local model directory ``model`` (or ``checkpoint``) names; None for a built-in size.
+
+        Raises ModelConfigError for a path that is not a directory, so a typo is a clear error at
+        start, never a silently different model."""
+        return model_dir_of(self.checkpoint or self.model, must_exist=True)
 
     def secret_bytes(self) -> bytes:
         if self.fleet_secret is not None and self.fleet_secret.get_secret_value():

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,9 @@ from torch import Tensor
 from kvmesh.costmodel import PerfProfile
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
-from schemas.messages import KvEvent, SamplingParams
+from schemas.messages import KvEvent
+from services.worker.calibration import calibration_lengths, fit_prefill_cost
+from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.kv_layout import BlockLayout
@@ -72,43 +74,6 @@ class EngineConfig:
     prefill_chunk: int = 512
     seed: int = 0
     worker_id: str = "worker-0"
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    session_id: str
-    token_ids: Sequence[int]  # a ChatRequest's TokenIds, or a list
-    block_hashes: list[int]
-    namespace: bytes
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: list[int] = field(default_factory=list)
-    public_prefix_tokens: int = 0
-    #: Leading blocks the scheduler expected here (Assignment.reuse_blocks + fetched ones); fewer found
-    #: means its view lagged, and the stats say so in ``fallback``.
-    expected_reuse_blocks: int = 0
-
-
-@dataclass
-class RequestStats:
-    prompt_tokens: int
-    reused_tokens: int
-    recomputed_tokens: int
-    prefill_ms: float
-    promoted_blocks: int
-    fallback: str | None
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "error" | "cancelled"
-    first_token: bool = False
-    stats: RequestStats | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -150,7 +115,13 @@ def _resolve_dtype(name: str, device: torch.device) -> str:
 
 
 class Engine:
-    """Owns the model, the tokenizer, the KV cache manager and the queue of requests of one worker."""
+    """Owns the model, the tokenizer, the KV cache manager and the queue of requests of one worker.
+
+    The built-in implementation of :class:`~services.worker.engine_api.WorkerEngine`: its KV cache
+    manager is the data plane's block source and sink, with DRAM and disk tiers below the GPU pool.
+    """
+
+    kind = "builtin"
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -188,6 +159,48 @@ class Engine:
         self._pending: list[StepOutput] = []
         self._lock = threading.RLock()
 
+    # ---- the WorkerEngine surface beyond requests and steps ------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_cfg.vocab_size
+
+    @property
+    def model_name(self) -> str:
+        return self.model_cfg.name
+
+    @property
+    def dtype(self) -> str:
+        return self.layout.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def describe(self) -> str:
+        return f"builtin engine, model {self.model_cfg.name}, layout {self.layout.describe()}"
+
+    def block_source(self) -> KvCacheManager:
+        return self.kv
+
+    def block_sink(self) -> KvCacheManager:
+        return self.kv
+
+    def set_fleet_copies(self, fn: Callable[[int], int] | None) -> None:
+        self.kv.set_fleet_copies(fn)
+
+    def retain(self, block_hashes: list[int], until_ms: int) -> None:
+        self.kv.retain(block_hashes, until_ms)
+
+    def expire_retains(self, now_ms: int) -> None:
+        self.kv.expire_retains(now_ms)
+
+    def holdings_events(self, max_blocks_per_event: int) -> list[KvEvent]:
+        return self.kv.holdings_events(max_blocks_per_event)
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request; raises RequestRejected when it can never run here."""
@@ -195,6 +208,10 @@ class Engine:
         n = len(req.token_ids)
         if n == 0:
             raise RequestRejected(f"request {req.request_id}: empty prompt")
+        if req.block_size is not None and req.block_size != bs:
+            raise RequestRejected(
+                f"request {req.request_id}: block size {req.block_size} differs from this worker's {bs}"
+            )
         if n >= self.max_context:
             raise RequestRejected(
                 f"request {req.request_id}: prompt of {n} tokens does not fit the context of "
@@ -434,17 +451,17 @@ class Engine:
     def drain_kv_events(self) -> list[KvEvent]:
         return self.kv.drain_kv_events()
 
-    def load(self) -> dict:
+    def load(self) -> EngineLoad:
         with self._lock:
-            active = [s for s in self._running]
-            return {
-                "queue_depth": len(self._waiting),
-                "active_requests": len(active),
-                "active_tokens": sum(len(s.tokens) for s in active),
-                "queued_prefill_tokens": sum(s.prompt_len for s in self._waiting)
+            active = list(self._running)
+            return EngineLoad(
+                queue_depth=len(self._waiting),
+                active_requests=len(active),
+                active_tokens=sum(len(s.tokens) for s in active),
+                queued_prefill_tokens=sum(s.prompt_len for s in self._waiting)
                 + sum(s.prompt_len - s.n_computed for s in active if s.prefilling),
-                "tiers": self.kv.tier_usage(),
-            }
+                tiers=self.kv.tier_usage(),
+            )
 
     def release_all(self) -> list[KvEvent]:
         """Graceful shutdown: forget every request and every block; the events to publish."""
@@ -497,7 +514,7 @@ class Engine:
             return best
 
         timed_prefill(bs * 2)  # warm-up (allocator, kernels)
-        a, b = _fit_prefill_cost([(n, timed_prefill(n)) for n in _calibration_lengths(short, long)])
+        a, b = fit_prefill_cost([(n, timed_prefill(n)) for n in calibration_lengths(short, long)])
         # calibration prompts are no one's cache: forget them (and their events) on an idle engine;
         # on a busy one they stay and age out by LRU like any unused block
         if was_empty:
@@ -547,36 +564,6 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
 
-def _calibration_lengths(short: int, long: int) -> list[int]:
-    """Prompt lengths to time: ``short``, ``long`` and points between (a fit, not a two-point guess)."""
-    mids = [int(short + (long - short) * f) for f in (0.25, 0.5, 0.75)]
-    return sorted({short, *mids, long})
-
-
-def _fit_prefill_cost(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares fit of ``t(n) = n * (a + b * n / 2)`` with ``a, b >= 0`` (ms per token, per ctx).
-
-    Timings taken on a busy machine are noisy; a two-point difference can come out negative or give
-    a near-zero linear term that prices long prompts absurdly. The fit uses every sample and, when
-    the unconstrained solution leaves the feasible region, refits the single-term model instead.
-    """
-    ns = [float(n) for n, _ in samples]
-    ys = [t / n for n, t in samples]  # per-token cost = a + b * n / 2
-    xs = [n / 2.0 for n in ns]
-    k = len(xs)
-    mx, my = sum(xs) / k, sum(ys) / k
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else 0.0
-    a = my - b * mx
-    if b < 0 or a <= 0:
-        # the per-token cost does not grow with length here (or grows through zero): one term only
-        sx2 = sum(x * x for x in xs)
-        b_only = sum(x * y for x, y in zip(xs, ys, strict=True)) / sx2 if sx2 > 0 else 0.0
-        if b < 0:
-            a, b = max(my, 1e-6), 0.0
-        else:
-            a, b = 1e-6, max(b_only, 0.0)
-            # keep the linear term honest: at least half the shortest prompt's per-token cost
-            a = max(a, 0.5 * min(ys))
-            b = max((my - a) / mx, 0.0) if mx > 0 else 0.0
-    return a, b
+# Kept under their old names for callers of this module.
+_calibration_lengths = calibration_lengths
+_fit_prefill_cost = fit_prefill_cost

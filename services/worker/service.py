@@ -1,7 +1,8 @@
 """The worker process: Kafka in, tokens out, KV blocks served to and fetched from peers.
 
-Owns one :class:`~services.worker.engine.Engine` (model + paged, tiered KV cache), one block server
-(the data plane, for peers), one block client (to fetch), a producer, two consumers of its own
+Owns one engine behind :class:`~services.worker.engine_api.WorkerEngine` (the built-in torch engine or
+vLLM, per ``KVMESH_WORKER_ENGINE``), one block server (the data plane, for peers) and one block client
+(to fetch) when the engine moves KV bytes, a producer, two consumers of its own
 (assignments and control commands) and one fleet-state consumer (every worker's kv-events and every
 WorkerLost, no group, from the end) that keeps :class:`~services.worker.fleet_view.FleetCopies`, the
 count of other workers' copies per block that eviction reads (a last copy is demoted, not dropped).
@@ -28,26 +29,25 @@ import dataclasses
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from schemas.messages import (
     Assignment,
     CancelRequest,
     ChatRequest,
-    Completion,
     DrainCommand,
     KvEvent,
-    LoadReport,
     ReplicateCommand,
     RetainHint,
-    TierUsage,
     TokenChunk,
     WorkerLost,
 )
 from schemas.token_ids import int_list
 from services.worker.config import WorkerSettings
+from services.worker.engine_api import EngineRequest, RequestRejected, StepOutput, WorkerEngine
+from services.worker.fetch_planning import fetch_planned, replicate
 from services.worker.fleet_view import FleetCopies
+from services.worker.reports import RunningRequest, WorkerIdentity, build_completion, build_load_report
 from streams import topics
 from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
@@ -55,7 +55,6 @@ from streams.producer import TypedProducer, partition_for
 
 if TYPE_CHECKING:
     from kvmesh.costmodel import PerfProfile
-    from services.worker.engine import Engine, RequestStats, StepOutput
     from services.worker.transfer import BlockClient, BlockServer
 
 log = logging.getLogger("kvmesh.worker")
@@ -69,20 +68,8 @@ def _reply_spec(reply_topic: str) -> topics.TopicSpec:
     return dataclasses.replace(topics.REPLIES, name=reply_topic)
 
 
-@dataclass
-class _Running:
-    """What the service remembers of a request the engine is running."""
-
-    request: ChatRequest
-    started: float  # perf_counter at assignment receipt: TTFT is measured from here
-    fetched_blocks: int = 0
-    expected_blocks: int = 0  # blocks the assignment expects cached (local + fetched)
-    fallback: str | None = None
-    first_token_ms: float | None = None
-    prefill_ms: float = 0.0
-    stats: RequestStats | None = None
-    output: list[int] = field(default_factory=list)
-    text_sent: int = 0
+# Kept under its old name for code that imports it from here.
+_Running = RunningRequest
 
 
 class WorkerService:
@@ -92,7 +79,7 @@ class WorkerService:
         self.settings = settings
         self.worker_id = settings.worker_id
         # Built in start() (the engine loads a model, off the constructor's path); None until then.
-        self.engine: Engine = None  # type: ignore[assignment]
+        self.engine: WorkerEngine = None  # type: ignore[assignment]
         self._profile: PerfProfile | None = None
         self._producer: TypedProducer = None  # type: ignore[assignment]
         self._assignments: TypedConsumer | None = None
@@ -107,7 +94,8 @@ class WorkerService:
         self.transfer_address = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, RunningRequest] = {}
+        self._ident: WorkerIdentity | None = None
         self._started = False
         self._stopping = False
         self._draining = False
@@ -138,36 +126,52 @@ class WorkerService:
         if self._started:
             return
         self._started = True
-        from services.worker.engine import Engine, EngineConfig
+        from services.worker.engines import build_engine
         from services.worker.transfer import BlockClient, BlockServer, TransferMetrics
 
         s = self.settings
-        # The worker's settings carry every engine field under the same name (env-readable there).
-        cfg = EngineConfig(**{f.name: getattr(s, f.name) for f in dataclasses.fields(EngineConfig)})
-        self.engine = await asyncio.to_thread(Engine, cfg)
+        try:
+            self.engine = await asyncio.to_thread(build_engine, s)
+        except BaseException:
+            self._started = False
+            raise
         if s.calibrate:
             self._profile = await asyncio.to_thread(self.engine.calibrate)
         self.transfer_metrics = TransferMetrics()
-        self._server = BlockServer(
-            self.engine.kv,
-            host=s.transfer_host,
-            port=s.transfer_port,
-            secret=s.secret_bytes(),
-            max_blocks=s.max_blocks_per_fetch,
-            metrics=self.transfer_metrics,
-        )
-        self.transfer_address = await self._server.start()
-        if s.calibrate and self._profile is not None:
+        source = self.engine.block_source()
+        if source is not None:
+            self._server = BlockServer(
+                source,
+                host=s.transfer_host,
+                port=s.transfer_port,
+                secret=s.secret_bytes(),
+                max_blocks=s.max_blocks_per_fetch,
+                metrics=self.transfer_metrics,
+            )
+            self.transfer_address = await self._server.start()
+        if s.calibrate and self._profile is not None and self._server is not None:
             # The engine measures compute; the data plane measures the link this host really has.
             with contextlib.suppress(Exception):
                 link = await self._server.measure_self(probe_bytes=8 << 20, rounds=2)
                 self._profile = dataclasses.replace(
                     self._profile, link_gbps=link.link_gbps, link_latency_ms=link.latency_ms
                 )
-        self._client = BlockClient(
-            s.secret_bytes(), timeout_s=s.fetch_timeout_s, metrics=self.transfer_metrics
-        )
+        if self.engine.block_sink() is not None:
+            self._client = BlockClient(
+                s.secret_bytes(), timeout_s=s.fetch_timeout_s, metrics=self.transfer_metrics
+            )
         self._started_ms = now_ms()
+        self._ident = WorkerIdentity(
+            worker_id=self.worker_id,
+            model=s.served_model,
+            engine=self.engine.kind,
+            block_size=self.engine.block_size,
+            block_bytes=self.engine.block_bytes,
+            max_context=self.engine.max_context,
+            transfer_address=self.transfer_address,
+            peer_transfer=self._server is not None and self._client is not None,
+            started_ms=self._started_ms,
+        )
 
         self._producer = TypedProducer(s.kafka, producer_id=self.worker_id)
         await self._producer.start()
@@ -197,7 +201,7 @@ class WorkerService:
         await self._assignments.start()
         await self._control.start()
         await self._fleet_state.start()
-        self.engine.kv.set_fleet_copies(self.fleet.copies)
+        self.engine.set_fleet_copies(self.fleet.copies)
         # Announce ourselves (and our measured speed) before any assignment can arrive.
         await self._publish_load(force=True)
         await self._publish_kv_events()
@@ -209,10 +213,10 @@ class WorkerService:
             asyncio.create_task(self._load_loop(), name="worker-load"),
         ]
         log.info(
-            "worker %s up: transfer %s, layout %s",
+            "worker %s up: %s; transfer %s",
             self.worker_id,
-            self.transfer_address,
-            self.engine.layout.describe(),
+            self.engine.describe(),
+            self.transfer_address or "off",
         )
 
     async def stop(self) -> None:
@@ -274,9 +278,7 @@ class WorkerService:
         if isinstance(msg, ReplicateCommand) and msg.target_worker == self.worker_id:
             await self._replicate(msg)
         elif isinstance(msg, RetainHint) and msg.worker_id == self.worker_id:
-            retain = getattr(self.engine.kv, "retain", None)
-            if retain is not None:
-                retain(msg.block_hashes, msg.until_ms)
+            self.engine.retain(list(msg.block_hashes), msg.until_ms)
         elif isinstance(msg, DrainCommand) and msg.worker_id == self.worker_id:
             # Draining: the scheduler stops sending new work, peers keep fetching our blocks.
             self._draining = msg.drain
@@ -303,73 +305,40 @@ class WorkerService:
             self.metrics["rejected"] += 1
             await self._send_completion(req, finish_reason="rejected", error="deadline passed before start")
             return
-        entry = _Running(request=req, started=started, expected_blocks=a.reuse_blocks)
+        entry = RunningRequest(request=req, started=started, expected_blocks=a.reuse_blocks)
         # Fetch planned blocks before prefill, but only those that extend what we already have:
         # a chained block is useless after a gap.
-        if a.fetch and self._client is not None:
-            await self._fetch_planned(a, entry)
+        sink = self.engine.block_sink()
+        if a.fetch and self._client is not None and sink is not None:
+            got = await fetch_planned(a, entry, self._client, sink, self.engine.lookup_prefix, self.worker_id)
+            self.metrics["fetched_blocks"] += got.fetched_blocks
+            self.metrics["fetch_failures"] += got.failures
+        elif a.fetch:
+            entry.fallback = f"engine {self.engine.kind} takes no peer blocks; recomputing"
         await self._inbox.put(("add", entry))
 
-    async def _fetch_planned(self, a: Assignment, entry: _Running) -> None:
-        req = a.request
-        for plan in sorted(a.fetch, key=lambda p: p.first_block):
-            have = self.engine.lookup_prefix(int_list(req.block_hashes))
-            end = plan.first_block + len(plan.block_hashes)
-            if have >= end:
-                continue  # someone (a replication, an earlier turn) already brought them
-            if have < plan.first_block:
-                entry.fallback = "gap before fetched blocks; recomputing"
-                break
-            skip = have - plan.first_block
-            hashes = plan.block_hashes[skip:]
-            start = plan.first_block + skip
-            parents = [req.block_hashes[i - 1] if i > 0 else 0 for i in range(start, start + len(hashes))]
-            assert self._client is not None  # _admit only fetches when the client exists
-            result = await self._client.fetch(
-                plan.peer_address, hashes, parents, req.namespace, self.engine.kv, peer_id=self.worker_id
-            )
-            got = len(result.received)
-            entry.fetched_blocks += got
-            entry.expected_blocks = max(entry.expected_blocks, start + got)
-            self.metrics["fetched_blocks"] += got
-            if got < len(hashes):
-                self.metrics["fetch_failures"] += 1
-                entry.fallback = (
-                    f"fetch from {plan.peer_worker} incomplete ({got}/{len(hashes)}): recomputing rest"
-                )
-                log.warning("request %s: %s", req.request_id, entry.fallback)
-                break
-
     async def _replicate(self, cmd: ReplicateCommand) -> None:
-        have = self.engine.lookup_prefix(cmd.block_hashes)
-        if have >= len(cmd.block_hashes) or self._client is None:
+        sink = self.engine.block_sink()
+        if self._client is None or sink is None:
+            log.info(
+                "replication %s ignored: engine %s takes no peer blocks", cmd.command_id, self.engine.kind
+            )
             return
-        hashes = cmd.block_hashes[have:]
-        parents = [cmd.block_hashes[i - 1] if i > 0 else 0 for i in range(have, len(cmd.block_hashes))]
-        result = await self._client.fetch(
-            cmd.source_address, hashes, parents, cmd.namespace, self.engine.kv, peer_id=self.worker_id
-        )
+        got = await replicate(cmd, self._client, sink, self.engine.lookup_prefix, self.worker_id)
+        if got is None:
+            return
         self.metrics["replications"] += 1
-        log.info(
-            "replication %s: %d/%d blocks from %s",
-            cmd.command_id,
-            len(result.received),
-            len(hashes),
-            cmd.source_worker,
-        )
         await self._publish_kv_events()
 
     # ----------------------------------------------------------------- engine loop
     async def _engine_loop(self) -> None:
-        from services.worker.engine import EngineRequest, RequestRejected
-
         while True:
             # Apply queued adds/cancels between steps: only this task touches engine request state.
             while not self._inbox.empty() or not self.engine.has_work():
                 kind, item = await self._inbox.get()
                 if kind == "add":
                     entry = item
-                    assert isinstance(entry, _Running)
+                    assert isinstance(entry, RunningRequest)
                     req = entry.request
                     try:
                         self.engine.add_request(
@@ -384,6 +353,7 @@ class WorkerService:
                                 stop_token_ids=req.stop_token_ids,
                                 public_prefix_tokens=req.public_prefix_tokens,
                                 expected_reuse_blocks=entry.expected_blocks,
+                                block_size=req.block_size,
                             )
                         )
                     except RequestRejected as exc:
@@ -436,35 +406,18 @@ class WorkerService:
 
     # ----------------------------------------------------------------- outputs
     async def _send_completion(
-        self, req: ChatRequest, *, finish_reason: str, entry: _Running | None = None, error: str | None = None
+        self,
+        req: ChatRequest,
+        *,
+        finish_reason: str,
+        entry: RunningRequest | None = None,
+        error: str | None = None,
     ) -> None:
-        stats = entry.stats if entry is not None else None
-        bs = req.block_size
-        reused = int(getattr(stats, "reused_tokens", 0)) if stats is not None else 0
-        fetched = min(reused, entry.fetched_blocks * bs) if entry is not None else 0
-        fallback = entry.fallback if entry is not None else None
-        if stats is not None and getattr(stats, "fallback", None):
-            fallback = f"{fallback}; {stats.fallback}" if fallback else stats.fallback
-            self.metrics["fallbacks"] += 1
-        output = entry.output if entry is not None else []
-        c = Completion(
-            request_id=req.request_id,
-            session_id=req.session_id,
-            worker_id=self.worker_id,
-            finish_reason=finish_reason,  # type: ignore[arg-type]
-            prompt_tokens=len(req.token_ids),
-            completion_tokens=len(output),
-            output_token_ids=list(output),
-            reused_tokens=reused - fetched,
-            fetched_tokens=fetched,
-            recomputed_tokens=int(getattr(stats, "recomputed_tokens", 0)) if stats is not None else 0,
-            ttft_ms=(entry.first_token_ms or 0.0) if entry is not None else 0.0,
-            prefill_ms=float(getattr(stats, "prefill_ms", 0.0)) if stats is not None else 0.0,
-            e2e_ms=(time.perf_counter() - entry.started) * 1e3 if entry is not None else 0.0,
-            error=error,
-            fallback=fallback,
-            text=self.engine.tokenizer.decode(output) if self.engine is not None else "",
+        c, fell_back = build_completion(
+            req, self.worker_id, finish_reason, entry, error, self.engine.tokenizer if self.engine else None
         )
+        if fell_back:
+            self.metrics["fallbacks"] += 1
         assert self._producer is not None
         await self._producer.send(_reply_spec(req.reply_topic), c)
 
@@ -483,9 +436,9 @@ class WorkerService:
 
     async def _reannounce(self) -> None:
         """Publish everything still held as stored events (the KV manager dropped our blocks)."""
-        holdings = getattr(self.engine.kv, "holdings_events", None)
-        if holdings is None or self._producer is None:
+        if self._producer is None:
             return
+        holdings = self.engine.holdings_events
         # A stored record is ~18 bytes per block; stay well inside the record size limit.
         chunk = max(64, min(4096, self.settings.kafka.max_record_bytes // 64))
         async with self._kv_publish:
@@ -502,7 +455,7 @@ class WorkerService:
         while True:
             await asyncio.sleep(interval)
             # Retain hints carry absolute deadlines; the worker's own clock retires them.
-            self.engine.kv.expire_retains(now_ms())
+            self.engine.expire_retains(now_ms())
             await self._publish_kv_events()
             await self._publish_load(force=True)
 
@@ -510,35 +463,12 @@ class WorkerService:
         if self.engine is None or self._producer is None:
             return
         load = self.engine.load()
-        key = (load["queue_depth"], load["active_requests"], load["active_tokens"] // 256)
+        key = (load.queue_depth, load.active_requests, load.active_tokens // 256)
         # Between intervals, report only large changes (a new request queued, one finished).
         if not force and key == self._last_load:
             return
         self._last_load = key
-        p = self._profile
-        layout = self.engine.layout
-        tiers = [t if isinstance(t, TierUsage) else TierUsage(**t) for t in load["tiers"]]
-        report = LoadReport(
-            worker_id=self.worker_id,
-            report_ms=now_ms(),
-            queue_depth=load["queue_depth"],
-            active_requests=load["active_requests"],
-            active_tokens=load["active_tokens"],
-            queued_prefill_tokens=load["queued_prefill_tokens"],
-            tiers=tiers,
-            transfer_address=self.transfer_address,
-            block_size=layout.block_size,
-            block_bytes=layout.nbytes,
-            prefill_ms_per_token=p.prefill_ms_per_token if p else 0.05,
-            prefill_ms_per_token_per_ctx=p.prefill_ms_per_token_per_ctx if p else 0.0,
-            decode_ms_per_step=p.decode_ms_per_step if p else 5.0,
-            link_gbps=p.link_gbps if p else 1.0,
-            link_latency_ms=p.link_latency_ms if p else 1.0,
-            dram_gbps=p.dram_gbps if p else 20.0,
-            disk_gbps=p.disk_gbps if p else 2.0,
-            model=self.settings.served_model,
-            max_context=self.engine.max_context,
-            started_ms=self._started_ms,
-            draining=draining or self._draining,
-        )
+        if self._ident is None:
+            return
+        report = build_load_report(self._ident, load, self._profile, now_ms(), draining or self._draining)
         await self._producer.send(topics.LOAD, report)

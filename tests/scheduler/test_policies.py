@@ -265,3 +265,23 @@ def test_fetch_from_a_peer_disk_costs_its_read() -> None:
     # reading 6 blocks from the peer's disk tier comes on top of the link, or recompute wins
     assert fetch_disk.fetch_blocks == 0 or fetch_disk.transfer_ms > fetch_gpu.transfer_ms
     assert fetch_disk.ttft_ms > fetch_gpu.ttft_ms
+
+
+@pytest.mark.parametrize("no_transfer", ["w-0", "w-1"])
+def test_no_fetch_to_or_from_a_worker_that_moves_no_kv_bytes(no_transfer: str) -> None:
+    """A vLLM worker without the KV connector announces peer_transfer=false: its blocks are reused in
+    place only, and it is never handed a fetch plan."""
+    import dataclasses
+
+    view = FleetView(block_size=16)
+    for w in ("w-0", "w-1"):
+        lr = load(w, **(BUSY if w == "w-0" else {}))
+        view.apply_load(dataclasses.replace(lr, peer_transfer=w != no_transfer, engine="vllm"))
+    req = request("r1", prompt(100))
+    view.apply_kv_event(stored("w-0", req.block_hashes))
+    d = Router(view, RouterSettings()).decide(req, 1000)
+    a = d.assignment
+    assert a is not None and a.fetch == []
+    # without a fetch, the busy holder still wins on reuse or the idle one recomputes; never both
+    assert a.estimate.fetched_blocks == 0
+    assert (a.worker_id == "w-0") == (a.reuse_blocks > 0)

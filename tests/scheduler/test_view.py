@@ -48,3 +48,26 @@ def test_ranking_and_pending_match_a_recount(ops: list[tuple[str, int, int]]) ->
     live = view.live_workers(t)
     expect = sorted(live, key=lambda w: (view.load_key[w], w))
     assert view.least_loaded(3, live) == expect[:3]
+
+
+def test_a_worker_announcing_another_block_size_is_refused() -> None:
+    """Its hashes would never match a request's (or would be mis-indexed): no candidate, no events."""
+    import dataclasses
+
+    from .factories import stored
+
+    view = FleetView(block_size=16)
+    view.apply_load(load("w-0", 1000))
+    req = request("r1", prompt(64))
+    view.apply_kv_event(stored("w-1", req.block_hashes))  # before any report: kept until refused
+    odd = dataclasses.replace(load("w-1", 1000), block_size=32)
+    view.apply_load(odd)
+    assert "w-1" not in view.workers and "block size 32" in view.refused["w-1"]
+    assert view.index.worker_blocks("w-1") == 0
+    view.apply_kv_event(stored("w-1", req.block_hashes))  # its later events are dropped
+    assert view.index.worker_blocks("w-1") == 0
+    d = Router(view, RouterSettings()).decide(req, 1001)
+    assert d.assignment is not None and d.assignment.worker_id == "w-0"
+    # the same worker back with the fleet's size is a member again
+    view.apply_load(load("w-1", 1002))
+    assert "w-1" in view.workers and "w-1" not in view.refused

@@ -230,12 +230,12 @@ def test_abort_releases_blocks_and_reports_cancelled() -> None:
     eng.add_request(_req("a", _prompt(40, seed=2), max_tokens=50))
     eng.step()
     eng.step()
-    assert eng.load()["active_requests"] == 1
+    assert eng.load().active_requests == 1
     assert eng.abort("a") and not eng.abort("a")
     outs = eng.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "cancelled")]
     assert not eng.has_work()
-    gpu = eng.load()["tiers"][0]
+    gpu = eng.load().tiers[0]
     assert gpu.tier == "gpu" and gpu.free_blocks == gpu.total_blocks  # nothing referenced
 
 
@@ -245,7 +245,7 @@ def test_events_load_and_release_all() -> None:
     eng.add_request(_req("a", prompt, max_tokens=3))
     eng.add_request(_req("b", _prompt(20, seed=6), max_tokens=3))
     load = eng.load()
-    assert load["queue_depth"] == 2 and load["queued_prefill_tokens"] == 60
+    assert load.queue_depth == 2 and load.queued_prefill_tokens == 60
     _run(eng)
     stored = [h for e in eng.drain_kv_events() if e.kind == "stored" for h in e.block_hashes]
     assert set(block_hashes(prompt, BS, NS)) <= set(stored)

@@ -1,0 +1,187 @@
+"""The one engine interface of a worker: what the worker service, the data plane and the tests rely on.
+
+Two engines implement it: the built-in torch engine (``services.worker.engine.Engine``, the embedded
+default) and vLLM (``services.worker.vllm_engine.VllmEngine``). The service never reaches past it::
+
+    WorkerService ──add_request / abort──▶ WorkerEngine ──step()──▶ [StepOutput]  (one thread steps)
+         │   ▲                                │
+         │   └── drain_kv_events() ◀── KvEvents under kvmesh block hashes (schemas.blocks)
+         │   └── load() ◀── EngineLoad: queue, running, KV blocks per tier
+         └─ data plane ── block_store (BlockSource + BlockSink) or None: no peer transfer
+
+Threading contract: ``step()`` runs in one worker thread; ``add_request``/``abort`` are called between
+steps by the same task that awaits ``step``; ``load()``, ``lookup_prefix()`` and ``drain_kv_events()``
+may be called from the event loop while a step runs, so engines answer them from state that is safe to
+read then.
+
+Invariants every engine keeps:
+  * the KvEvents name blocks by the kvmesh chained hash of their tokens and the request's namespace, so
+    the scheduler's index and the directory look the same whatever engine a worker runs;
+  * ``RequestStats.reused_tokens`` is the engine's own count of prompt tokens it did not compute;
+  * a request the engine cannot run raises :class:`RequestRejected` from ``add_request`` or ends with a
+    ``StepOutput`` of reason ``"error"``; it never takes the engine down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from schemas.messages import KvEvent, SamplingParams, TierUsage
+from services.worker.errors import RequestRejected
+
+if TYPE_CHECKING:
+    from kvmesh.costmodel import PerfProfile
+    from kvmesh.tokenizer import Tokenizer
+    from services.worker.kv_layout import BlockSink, BlockSource
+
+__all__ = [
+    "EngineLoad",
+    "EngineRequest",
+    "RequestRejected",
+    "RequestStats",
+    "StepOutput",
+    "WorkerEngine",
+]
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    session_id: str
+    token_ids: Sequence[int]  # a ChatRequest's TokenIds, or a list
+    block_hashes: list[int]
+    namespace: bytes
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: list[int] = field(default_factory=list)
+    public_prefix_tokens: int = 0
+    #: Leading blocks the scheduler expected here (Assignment.reuse_blocks + fetched ones); fewer found
+    #: means its view lagged, and the stats say so in ``fallback``.
+    expected_reuse_blocks: int = 0
+    #: Block size the request's hashes were cut with; an engine of another size refuses the request.
+    block_size: int | None = None
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    prefill_ms: float
+    promoted_blocks: int
+    fallback: str | None
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "error" | "cancelled"
+    first_token: bool = False
+    stats: RequestStats | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What a LoadReport says of the engine: its queue, its running batch and its KV blocks per tier."""
+
+    queue_depth: int
+    active_requests: int
+    active_tokens: int
+    queued_prefill_tokens: int
+    tiers: list[TierUsage]
+
+
+class WorkerEngine(Protocol):
+    """An inference engine behind one worker (see the module docstring for the threading contract)."""
+
+    # Read-only facts of the engine (attributes or properties in an implementation).
+    @property
+    def kind(self) -> str:
+        """The engine's name, builtin or vllm: what LoadReports and logs say."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block on this engine (the cost model prices moves with it)."""
+        ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str:
+        """Element type of the KV cache ("float32", "bfloat16", ...)."""
+        ...
+
+    def describe(self) -> str:
+        """One line for logs: engine, model, block size, KV shape."""
+        ...
+
+    def block_source(self) -> BlockSource | None:
+        """What the block server serves, or None when this engine cannot hand out KV bytes."""
+        ...
+
+    def block_sink(self) -> BlockSink | None:
+        """Where fetched blocks go, or None when this engine cannot take KV bytes from peers."""
+        ...
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue a request; raises RequestRejected when it can never run here."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; the next ``step()`` reports it finished with reason "cancelled"."""
+        ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[StepOutput]:
+        """One iteration of the batch: new tokens, finished requests, first-token stats."""
+        ...
+
+    def lookup_prefix(self, block_hashes: list[int]) -> int:
+        """How many leading blocks of ``block_hashes`` this engine holds (any tier)."""
+        ...
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """Block stores, moves and removals since the last call, under kvmesh hashes, in order."""
+        ...
+
+    def holdings_events(self, max_blocks_per_event: int) -> list[KvEvent]:
+        """Everything held now, as ``stored`` events (a re-announce after the fleet forgot us)."""
+        ...
+
+    def load(self) -> EngineLoad: ...
+
+    def calibrate(self) -> PerfProfile:
+        """Measure prefill per token and per context token, and the decode step, through the engine."""
+        ...
+
+    def set_fleet_copies(self, fn: Callable[[int], int] | None) -> None:
+        """How many other workers hold a block: eviction drops those first (fleet-aware)."""
+        ...
+
+    def retain(self, block_hashes: list[int], until_ms: int) -> None: ...
+
+    def expire_retains(self, now_ms: int) -> None: ...
+
+    def release_all(self) -> list[KvEvent]:
+        """Graceful shutdown: forget every request and block; the events that tell the fleet."""
+        ...

@@ -1,0 +1,104 @@
+"""Pulling the blocks an assignment's transfer plan names, before the engine prefills the request.
+
+A block is useful only if every block before it is held (the chain), so each planned run is fetched
+only from where the local prefix ends, and a gap stops the plan::
+
+    prompt blocks   0 1 2 3 4 5 6 7
+    held locally    ■ ■ ■
+    plan            peer A: blocks 2..6      → fetch 3..6 (2 is here), verified blocks enter the sink
+    gap case        peer A: blocks 5..6      → nothing fetched: 3 and 4 are missing; recompute
+
+Every fault (peer gone, corrupt or truncated bytes, another tenant's block) ends in fewer received
+blocks, never an exception: the rest is recomputed and the request says so in ``fallback``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from schemas.messages import Assignment, ReplicateCommand
+from schemas.token_ids import int_list
+
+if TYPE_CHECKING:
+    from services.worker.kv_layout import BlockSink
+    from services.worker.reports import RunningRequest
+    from services.worker.transfer import BlockClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FetchOutcome:
+    fetched_blocks: int = 0
+    failures: int = 0
+
+
+def _parents(hashes: list[int], start: int, n: int) -> list[int]:
+    return [hashes[i - 1] if i > 0 else 0 for i in range(start, start + n)]
+
+
+async def fetch_planned(
+    a: Assignment,
+    entry: RunningRequest,
+    client: BlockClient,
+    sink: BlockSink,
+    lookup_prefix: Callable[[list[int]], int],
+    peer_id: str,
+) -> FetchOutcome:
+    """Fetch the plan's blocks that extend the local prefix; updates ``entry`` (fetched, fallback)."""
+    req = a.request
+    hashes = int_list(req.block_hashes)
+    outcome = FetchOutcome()
+    for plan in sorted(a.fetch, key=lambda p: p.first_block):
+        have = lookup_prefix(hashes)
+        end = plan.first_block + len(plan.block_hashes)
+        if have >= end:
+            continue  # someone (a replication, an earlier turn) already brought them
+        if have < plan.first_block:
+            entry.fallback = "gap before fetched blocks; recomputing"
+            break
+        skip = have - plan.first_block
+        want = list(plan.block_hashes[skip:])
+        start = plan.first_block + skip
+        result = await client.fetch(
+            plan.peer_address, want, _parents(hashes, start, len(want)), req.namespace, sink, peer_id=peer_id
+        )
+        got = len(result.received)
+        entry.fetched_blocks += got
+        entry.expected_blocks = max(entry.expected_blocks, start + got)
+        outcome.fetched_blocks += got
+        if got < len(want):
+            outcome.failures += 1
+            entry.fallback = f"fetch from {plan.peer_worker} incomplete ({got}/{len(want)}): recomputing rest"
+            log.warning("request %s: %s", req.request_id, entry.fallback)
+            break
+    return outcome
+
+
+async def replicate(
+    cmd: ReplicateCommand,
+    client: BlockClient,
+    sink: BlockSink,
+    lookup_prefix: Callable[[list[int]], int],
+    peer_id: str,
+) -> int | None:
+    """Pull a hot prefix from ``cmd``'s source; how many blocks arrived (None: all already here)."""
+    hashes = list(cmd.block_hashes)
+    have = lookup_prefix(hashes)
+    if have >= len(hashes):
+        return None
+    want = hashes[have:]
+    result = await client.fetch(
+        cmd.source_address, want, _parents(hashes, have, len(want)), cmd.namespace, sink, peer_id=peer_id
+    )
+    log.info(
+        "replication %s: %d/%d blocks from %s",
+        cmd.command_id,
+        len(result.received),
+        len(want),
+        cmd.source_worker,
+    )
+    return len(result.received)

@@ -1,0 +1,585 @@
+"""vLLM behind a kvmesh worker: its v1 engine in process, its KV events bridged to kvmesh hashes.
+
+Why in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) rather than a child
+process: the worker already steps its engine in a thread of its own, so nothing is gained by a second
+process, and in process the worker reads vLLM's scheduler state (waiting, running, free KV blocks) for
+its LoadReports without an IPC round trip per report, its block pool to re-announce what it really
+holds, and its KV tensors, which the kvmesh KV connector needs. The cost: a vLLM crash takes the worker
+process with it; the fleet treats that as any lost worker (the KV manager declares it lost and the
+scheduler re-decides its requests).
+
+Per request::
+
+    ChatRequest token ids ──TokensPrompt(prompt_token_ids, cache_salt=kvmesh_salt(namespace))──▶ vLLM
+      (intake tokenized once; vLLM never tokenizes again)        the salt isolates tenants in vLLM's
+                                                                 prefix cache and names the namespace
+    vLLM step ──RequestOutput (DELTA)──▶ StepOutput: new token ids, first-token stats with vLLM's
+                                         num_cached_tokens as the reused count, finish reason
+    vLLM KV events (ZMQ) ──EventSubscriber──▶ HashBridge ──▶ KvEvents under kvmesh hashes
+
+vLLM keeps its KV cache in one pool (the CPU backend's "GPU" tier); this engine reports it as the
+``gpu`` tier and serves no blocks to peers (``block_source()`` is None): moving vLLM blocks between
+workers is the KV connector's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvmesh.costmodel import PerfProfile
+from kvmesh.tokenizer import HFTokenizer
+from schemas.messages import KvEvent, TierUsage
+from services.worker.calibration import calibration_lengths, fit_prefill_cost
+from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput
+from services.worker.errors import ModelConfigError, RequestRejected
+from services.worker.vllm_engine.event_subscriber import EventSubscriber
+from services.worker.vllm_engine.hash_bridge import HashBridge, kvmesh_salt
+
+log = logging.getLogger(__name__)
+
+#: vLLM's CPU attention backend works on blocks of a multiple of this many tokens.
+CPU_BLOCK_MULTIPLE = 32
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
+
+
+@dataclass
+class VllmEngineConfig:
+    model_dir: str
+    worker_id: str = "worker-0"
+    block_size: int = 32
+    #: KV blocks of the engine's pool; None lets vLLM size it from ``kv_cache_gib``.
+    gpu_blocks: int | None = None
+    kv_cache_gib: int = 1
+    max_context: int | None = None
+    max_batch: int = 8
+    prefill_chunk: int = 2048
+    dtype: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = True
+    event_buffer_steps: int = 10_000
+    served_model_name: str | None = None
+
+
+@dataclass
+class _Track:
+    """What the engine remembers of one running request."""
+
+    req: EngineRequest
+    started: float
+    prompt_len: int
+    first_done: bool = False
+
+
+def check_block_size(block_size: int, on_cpu: bool) -> None:
+    """Refuse a block size vLLM cannot run, with the fix in the message."""
+    if block_size <= 0:
+        raise ModelConfigError("block size must be positive")
+    if on_cpu and block_size % CPU_BLOCK_MULTIPLE:
+        raise ModelConfigError(
+            f"vLLM's CPU backend needs a block size that is a multiple of {CPU_BLOCK_MULTIPLE}; this "
+            f"worker's is {block_size}. The fleet's block size is the engine's: set "
+            "KVMESH_WORKER_BLOCK_SIZE, KVMESH_INTAKE_BLOCK_SIZE and KVMESH_SCHEDULER_BLOCK_SIZE "
+            "to the same multiple of 32"
+        )
+
+
+class VllmEngine:
+    """Owns one in-process vLLM ``LLMEngine``, its KV-event subscriber and the hash bridge.
+
+    Implements :class:`~services.worker.engine_api.WorkerEngine`. ``step()`` runs in one thread;
+    ``load()`` answers from a snapshot taken at the end of each step, so the event loop never reads
+    vLLM's scheduler while it changes.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, cfg: VllmEngineConfig) -> None:
+        self.cfg = cfg
+        root = Path(cfg.model_dir).expanduser()
+        if not root.is_dir():
+            raise ModelConfigError(f"model directory {cfg.model_dir!r} does not exist")
+        if not (root / "config.json").is_file():
+            raise ModelConfigError(f"model directory {cfg.model_dir!r} has no config.json")
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+        check_block_size(cfg.block_size, on_cpu)
+        # In process: vLLM's engine core runs in this process, stepped by our thread (see the docstring).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+        self._sock_dir = tempfile.mkdtemp(prefix="kvmesh-vllm-")
+        # ipc sockets: vLLM's PUB binds them, nothing listens on the network.
+        endpoint = f"ipc://{self._sock_dir}/kv-events"
+        replay = f"ipc://{self._sock_dir}/kv-replay"
+        try:
+            self._llm = self._build(root, endpoint, replay)
+        except ModelConfigError:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            raise
+        except Exception as e:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            raise ModelConfigError(f"vLLM could not load {cfg.model_dir}: {type(e).__name__}: {e}") from e
+        core = self._llm.engine_core.engine_core  # InprocClient → EngineCore
+        self._sched: Any = core.scheduler
+        vc = core.vllm_config
+        self.block_size = int(vc.cache_config.block_size)
+        if self.block_size != cfg.block_size:
+            raise ModelConfigError(f"vLLM chose block size {self.block_size}, asked {cfg.block_size}")
+        mc = vc.model_config
+        self.max_context = int(mc.max_model_len)
+        layers = mc.get_num_layers(vc.parallel_config)
+        kv_heads = mc.get_num_kv_heads(vc.parallel_config)
+        itemsize = torch.empty((), dtype=mc.dtype).element_size()
+        self.block_bytes = 2 * layers * kv_heads * mc.get_head_size() * self.block_size * itemsize
+        self.dtype = str(mc.dtype).removeprefix("torch.")
+        self.vocab_size = int(mc.get_vocab_size())
+        self._num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
+        self.tokenizer = HFTokenizer(root)
+        self.model_name = root.name
+        self._events = EventSubscriber(endpoint, replay)
+        self.bridge = HashBridge(self.block_size)
+        self._tracks: dict[str, _Track] = {}
+        self._pending: list[StepOutput] = []
+        self._reannounce = False
+        self._lock = threading.Lock()  # guards the load snapshot only
+        self._load = self._snapshot_load()
+        self._events_lock = threading.Lock()  # drain and holdings may be asked from two tasks
+        log.info("vLLM engine up: %s", self.describe())
+
+    def _build(self, root: Path, endpoint: str, replay: str) -> Any:
+        from vllm import EngineArgs
+        from vllm.config import KVEventsConfig
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        cfg = self.cfg
+        args = EngineArgs(
+            model=str(root),
+            served_model_name=cfg.served_model_name,
+            dtype=cfg.dtype,  # type: ignore[arg-type]  # vLLM checks the name itself
+            seed=cfg.seed,
+            block_size=cfg.block_size,
+            enable_prefix_caching=True,
+            enforce_eager=cfg.enforce_eager,
+            distributed_executor_backend="uni",
+            max_model_len=cfg.max_context,  # type: ignore[arg-type]  # None: the model's own
+            max_num_seqs=cfg.max_batch,
+            max_num_batched_tokens=max(cfg.prefill_chunk, cfg.block_size),
+            num_gpu_blocks_override=cfg.gpu_blocks,
+            kv_events_config=KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=endpoint,
+                replay_endpoint=replay,
+                buffer_steps=cfg.event_buffer_steps,
+                topic="kv-events",
+            ),
+        )
+        return LLMEngine.from_engine_args(args)
+
+    # ---- WorkerEngine: description and the data plane -------------------------------------------
+    def describe(self) -> str:
+        return (
+            f"vllm engine, model {self.model_name}, block size {self.block_size}, {self._num_blocks} KV "
+            f"blocks of {self.block_bytes} B, context {self.max_context}, dtype {self.dtype}"
+        )
+
+    def block_source(self) -> None:
+        return None
+
+    def block_sink(self) -> None:
+        return None
+
+    # vLLM evicts its own pool (LRU); fleet-aware eviction and retain hints apply to kvmesh's tiers.
+    def set_fleet_copies(self, fn: Callable[[int], int] | None) -> None:
+        return None
+
+    def retain(self, block_hashes: list[int], until_ms: int) -> None:
+        return None
+
+    def expire_retains(self, now_ms: int) -> None:
+        return None
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        rid = req.request_id
+        n = len(req.token_ids)
+        if n == 0:
+            raise RequestRejected(f"request {rid}: empty prompt")
+        if req.block_size is not None and req.block_size != self.block_size:
+            raise RequestRejected(
+                f"request {rid}: block size {req.block_size} differs from this worker's {self.block_size}"
+            )
+        if n >= self.max_context:
+            raise RequestRejected(
+                f"request {rid}: prompt of {n} tokens does not fit the context of {self.max_context} "
+                "tokens (room for at least one generated token is needed)"
+            )
+        if req.max_tokens < 1:
+            raise RequestRejected(f"request {rid}: max_tokens must be at least 1")
+        ids = np.asarray(req.token_ids, dtype=np.int64)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise RequestRejected(f"request {rid}: token id outside the vocabulary")
+        if rid in self._tracks:
+            raise RequestRejected(f"request {rid} is already queued")
+        s = req.sampling
+        seed = s.seed
+        if seed is None and s.temperature > 0:
+            # Repeatable per request id, as the built-in engine: a replayed request samples alike.
+            seed = (self.cfg.seed << 32) ^ zlib.crc32(rid.encode())
+        params = SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=seed,
+            max_tokens=min(req.max_tokens, self.max_context - n),
+            stop_token_ids=list(req.stop_token_ids) or None,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+        prompt = TokensPrompt(
+            prompt_token_ids=ids.tolist(), cache_salt=kvmesh_salt(req.namespace, req.public_prefix_tokens)
+        )
+        try:
+            self._llm.add_request(rid, prompt, params)
+        except Exception as e:  # vLLM's own validation: a clear error for this request only
+            raise RequestRejected(f"request {rid}: vLLM refused it: {e}") from e
+        self._tracks[rid] = _Track(req, time.perf_counter(), n)
+        self._refresh_load()
+
+    def abort(self, request_id: str) -> bool:
+        if self._tracks.pop(request_id, None) is None:
+            return False
+        self._llm.abort_request([request_id])
+        self._pending.append(StepOutput(request_id, [], True, "cancelled"))
+        self._refresh_load()
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or bool(self._tracks) or self._llm.has_unfinished_requests()
+
+    def step(self) -> list[StepOutput]:
+        out, self._pending = self._pending, []
+        if not self._llm.has_unfinished_requests():
+            # Nothing left in vLLM: a request we still track would otherwise wait (and spin the
+            # engine loop) forever, so it ends with an error rather than silently.
+            for rid in list(self._tracks):
+                self._tracks.pop(rid)
+                out.append(StepOutput(rid, [], True, "error", error="vLLM dropped the request"))
+            self._refresh_load()
+            return out
+        try:
+            results = self._llm.step()
+        except Exception as e:  # a failed step ends the requests in it, not the worker
+            log.exception("vLLM step failed")
+            for rid in list(self._tracks):
+                with contextlib.suppress(Exception):
+                    self._llm.abort_request([rid])
+                self._tracks.pop(rid, None)
+                out.append(StepOutput(rid, [], True, "error", error=f"vLLM step failed: {e}"))
+            self._refresh_load()
+            return out
+        for r in results:
+            t = self._tracks.get(r.request_id)
+            if t is None or not r.outputs:
+                continue
+            c = r.outputs[0]
+            new = list(c.token_ids)
+            stats = None
+            first = False
+            if new and not t.first_done:
+                t.first_done = first = True
+                reused = min(int(r.num_cached_tokens or 0), t.prompt_len)
+                stats = RequestStats(
+                    prompt_tokens=t.prompt_len,
+                    reused_tokens=reused,
+                    recomputed_tokens=t.prompt_len - reused,
+                    prefill_ms=(time.perf_counter() - t.started) * 1e3,
+                    promoted_blocks=0,
+                    fallback=self._fallback(t, reused),
+                )
+            finished = bool(r.finished)
+            reason = _FINISH.get(c.finish_reason or "stop", "stop") if finished else None
+            if finished:
+                self._tracks.pop(r.request_id, None)
+            out.append(StepOutput(r.request_id, new, finished, reason, first, stats))
+        self._refresh_load()
+        return out
+
+    def _fallback(self, t: _Track, reused: int) -> str | None:
+        bs = self.block_size
+        expected = min(t.req.expected_reuse_blocks, (t.prompt_len - 1) // bs)
+        found = reused // bs
+        if found < expected:
+            return f"expected {expected} cached blocks, vLLM found {found}; recomputed"
+        return None
+
+    # ---- load ------------------------------------------------------------------------------------
+    def _snapshot_load(self) -> EngineLoad:
+        sched = self._sched
+        waiting = list(sched.waiting)
+        running = list(sched.running)
+        queued = sum(r.num_prompt_tokens for r in waiting) + sum(
+            max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running
+        )
+        pool = sched.kv_cache_manager.block_pool
+        free = int(pool.get_num_free_blocks())
+        # Free-queue blocks may still hold cached prefixes (evictable): vLLM counts them free, as we do.
+        return EngineLoad(
+            queue_depth=len(waiting),
+            active_requests=len(running),
+            active_tokens=sum(r.num_tokens for r in running),
+            queued_prefill_tokens=queued,
+            tiers=[TierUsage(tier="gpu", free_blocks=free, total_blocks=self._num_blocks)],
+        )
+
+    def _refresh_load(self) -> None:
+        snap = self._snapshot_load()
+        with self._lock:
+            self._load = snap
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            return self._load
+
+    # ---- KV events -------------------------------------------------------------------------------
+    def lookup_prefix(self, block_hashes: list[int]) -> int:
+        return self.bridge.prefix_length(block_hashes)
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """vLLM's events since the last call, as kvmesh KvEvents (a re-announce after a lost gap)."""
+        with self._events_lock:
+            drained = self._events.drain()
+            out: list[KvEvent] = []
+            for batch in drained.batches:
+                for ev in batch[1]:
+                    out += self._convert(ev)
+            if drained.lost or self._reannounce:
+                self._reannounce = False
+                out += self._resync()
+            return _merge(out)
+
+    def _convert(self, ev: Any) -> list[KvEvent]:
+        kind, fields = _event_fields(ev)
+        wid = self.cfg.worker_id
+        if kind == "BlockStored":
+            try:
+                stored = self.bridge.stored(
+                    [int(h) for h in fields["block_hashes"]],
+                    None if fields.get("parent_block_hash") is None else int(fields["parent_block_hash"]),
+                    fields["token_ids"],
+                    int(fields["block_size"]),
+                    fields.get("extra_keys"),
+                )
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("malformed BlockStored event skipped: %s", e)
+                return []
+            if not stored:
+                return []
+            return [
+                KvEvent(
+                    worker_id=wid,
+                    kind="stored",
+                    tier="gpu",
+                    block_hashes=[b.block_hash for b in stored],
+                    parent_hashes=[b.parent for b in stored],
+                )
+            ]
+        if kind == "BlockRemoved":
+            try:
+                gone = self.bridge.removed(int(h) for h in fields["block_hashes"])
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("malformed BlockRemoved event skipped: %s", e)
+                return []
+            return [KvEvent(worker_id=wid, kind="removed", tier="gpu", block_hashes=gone)] if gone else []
+        if kind == "AllBlocksCleared":
+            self.bridge.cleared()
+            return [KvEvent(worker_id=wid, kind="cleared", tier="gpu", block_hashes=[])]
+        return []
+
+    def _resync(self) -> list[KvEvent]:
+        """After events were lost: keep only what vLLM really holds, then re-announce all of it."""
+        gone = self.bridge.retain_only(self._vllm_held())
+        log.warning(
+            "vLLM KV events were lost: re-announcing %d blocks (%d no longer held)",
+            len(self.bridge),
+            len(gone),
+        )
+        wid = self.cfg.worker_id
+        cleared = KvEvent(worker_id=wid, kind="cleared", tier="gpu", block_hashes=[])
+        return [cleared, *self.holdings_events(4096)]
+
+    def _vllm_held(self) -> set[int]:
+        """vLLM's external hashes of every cached block in its pool right now."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+        cache = self._sched.kv_cache_manager.block_pool.cached_block_hash_to_block._cache
+        for _ in range(5):
+            try:
+                keys = list(cache)  # one C-level copy under the GIL; retried if a step resized it
+                break
+            except RuntimeError:
+                continue
+        else:
+            keys = []
+        out = set()
+        for k in keys:
+            h = maybe_convert_block_hash(get_block_hash(k))
+            out.add(h if isinstance(h, int) else int.from_bytes(h, "big") & ((1 << 64) - 1))
+        return out
+
+    def holdings_events(self, max_blocks_per_event: int) -> list[KvEvent]:
+        held = self.bridge.held()
+        wid = self.cfg.worker_id
+        step = max(1, max_blocks_per_event)
+        return [
+            KvEvent(
+                worker_id=wid,
+                kind="stored",
+                tier="gpu",
+                block_hashes=[b.block_hash for b in held[i : i + step]],
+                parent_hashes=[b.parent for b in held[i : i + step]],
+            )
+            for i in range(0, len(held), step)
+        ]
+
+    # ---- calibration -------------------------------------------------------------------------------
+    def calibrate(self, short: int = 256, long: int = 2048, decode_ctx: int = 256) -> PerfProfile:
+        """Prefill cost per token and per context token, and the decode step, timed through vLLM."""
+        bs = self.block_size
+        long = max(min(long, self.max_context - 64, (self._num_blocks - 2) * bs), 2 * bs)
+        short = max(min(short, long // 2), bs)
+        rng = np.random.default_rng(self.cfg.seed)
+        vocab = min(self.vocab_size, 256)
+        runs = [0]
+
+        def run(n: int, max_tokens: int) -> list[float]:
+            """Step times of one request: [first token, then each decode step]."""
+            runs[0] += 1
+            req = EngineRequest(
+                request_id=f"calibration-{runs[0]}",
+                session_id="calibration",
+                token_ids=rng.integers(0, vocab, n).tolist(),
+                block_hashes=[],
+                # its own namespace: never a prefix-cache hit
+                namespace=b"kvmesh-calibration:%d" % runs[0],
+                max_tokens=max_tokens,
+            )
+            times = []
+            t0 = time.perf_counter()
+            self.add_request(req)
+            while self.has_work():
+                outs = self.step()
+                if any(o.new_token_ids for o in outs):
+                    now = time.perf_counter()
+                    times.append((now - t0) * 1e3)
+                    t0 = now
+            return times
+
+        run(bs * 2, 1)  # warm-up
+        samples = [(n, min(run(n, 1)[0] for _ in range(3))) for n in calibration_lengths(short, long)]
+        a, b = fit_prefill_cost(samples)
+        steps = run(min(decode_ctx, self.max_context - 40), 17)[1:]
+        decode = sorted(steps)[len(steps) // 2] if steps else 5.0
+        # Calibration prompts are nobody's cache; vLLM's LRU ages them out, and the fleet never saw
+        # them (no kvmesh salt → the bridge skips them).
+        with contextlib.suppress(Exception):
+            self.drain_kv_events()
+        return PerfProfile(
+            prefill_ms_per_token=a,
+            prefill_ms_per_token_per_ctx=b,
+            decode_ms_per_step=decode,
+            link_gbps=1.0,
+            link_latency_ms=1.0,
+            block_bytes=self.block_bytes,
+            block_size=bs,
+            dram_gbps=20.0,
+            gpu_blocks=self._num_blocks,
+            dram_blocks=0,
+            disk_blocks=0,
+        )
+
+    # ---- shutdown -------------------------------------------------------------------------------
+    def release_all(self) -> list[KvEvent]:
+        """Abort everything, stop vLLM; the fleet is told every block of this worker is gone."""
+        for rid in list(self._tracks):
+            with contextlib.suppress(Exception):
+                self._llm.abort_request([rid])
+        self._tracks.clear()
+        self._pending.clear()
+        self.close()
+        self.bridge.cleared()
+        return [KvEvent(worker_id=self.cfg.worker_id, kind="cleared", tier="gpu", block_hashes=[])]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._events.close()
+        with contextlib.suppress(Exception):
+            self._llm.engine_core.shutdown()
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+
+def _event_fields(ev: Any) -> tuple[str, dict[str, Any]]:
+    """(type, fields) of one raw event: a tagged map (vLLM ≥ 0.10) or a tagged array (older)."""
+    if isinstance(ev, dict):
+        return str(ev.get("type", "")), ev
+    if isinstance(ev, list | tuple) and ev:
+        tag = str(ev[0])
+        names = {
+            "BlockStored": (
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+            ),
+            "BlockRemoved": ("block_hashes", "medium"),
+        }.get(tag, ())
+        return tag, dict(zip(names, ev[1:], strict=False))
+    return "", {}
+
+
+def _merge(events: list[KvEvent]) -> list[KvEvent]:
+    """Consecutive stored (or removed) events of one tier merged into one record."""
+    out: list[KvEvent] = []
+    for ev in events:
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and prev.kind == ev.kind
+            and ev.kind in ("stored", "removed")
+            and prev.tier == ev.tier
+        ):
+            parents = (
+                list(prev.parent_hashes) + list(ev.parent_hashes)
+                if prev.parent_hashes and ev.parent_hashes
+                else []
+            )
+            out[-1] = KvEvent(
+                worker_id=prev.worker_id,
+                kind=prev.kind,
+                tier=prev.tier,
+                block_hashes=list(prev.block_hashes) + list(ev.block_hashes),
+                parent_hashes=parents,
+            )
+        else:
+            out.append(ev)
+    return out

@@ -27,8 +27,9 @@ class BlockPool:
     """Owns the pool tensor and the bookkeeping of its blocks (not thread-safe: the manager locks)."""
 
     def __init__(self, layout: BlockLayout, num_blocks: int, device: torch.device) -> None:
-        if num_blocks < 1:
-            raise ValueError("the GPU tier needs at least one block")
+        # 0 blocks: a store of lower tiers only (the vLLM connector's, whose GPU tier is vLLM's own).
+        if num_blocks < 0:
+            raise ValueError("the GPU tier cannot have a negative number of blocks")
         self.layout = layout
         self.num_blocks = num_blocks
         self.device = device

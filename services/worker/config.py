@@ -91,6 +91,9 @@ class WorkerSettings(BaseSettings):
     vllm_kv_cache_gib: int = Field(default=1, gt=0)
     vllm_event_buffer_steps: int = Field(default=10_000, gt=0)
     vllm_enforce_eager: bool = True
+    # The kvmesh KV connector under vLLM: DRAM/disk tiers (dram_blocks, disk_blocks), loads from them,
+    # peer fetch and serving through the data plane. Off: vLLM keeps only its own pool.
+    vllm_connector: bool = True
     # Reporting
     load_interval_ms: int = 500
     calibrate: bool = True

@@ -44,6 +44,9 @@ def build_engine(settings: WorkerSettings) -> WorkerEngine:
                 enforce_eager=settings.vllm_enforce_eager,
                 event_buffer_steps=settings.vllm_event_buffer_steps,
                 served_model_name=settings.served_model,
+                dram_blocks=settings.dram_blocks if settings.vllm_connector else 0,
+                disk_blocks=settings.disk_blocks if settings.vllm_connector else 0,
+                disk_dir=settings.disk_dir,
             )
         )
     from services.worker.engine import Engine, EngineConfig

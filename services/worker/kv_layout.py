@@ -30,6 +30,9 @@ class BlockLayout:
     block_size: int
     head_dim: int
     dtype: str  # "float32" | "float16" | "bfloat16"
+    #: Which engine arranged the bytes ("" for kvmesh's own [layers, 2, kv_heads, block, head_dim]).
+    #: Blocks of equal shape but another arrangement (vLLM's) must never be exchanged unnoticed.
+    tag: str = ""
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -52,7 +55,8 @@ class BlockLayout:
 
     def describe(self) -> str:
         """A short string two peers compare to agree they hold the same kind of blocks."""
-        return f"L{self.layers}xH{self.kv_heads}xB{self.block_size}xD{self.head_dim}:{self.dtype}"
+        base = f"L{self.layers}xH{self.kv_heads}xB{self.block_size}xD{self.head_dim}:{self.dtype}"
+        return f"{base}:{self.tag}" if self.tag else base
 
 
 class BlockSource(Protocol):

@@ -17,9 +17,12 @@ Per request::
                                          num_cached_tokens as the reused count, finish reason
     vLLM KV events (ZMQ) ──EventSubscriber──▶ HashBridge ──▶ KvEvents under kvmesh hashes
 
-vLLM keeps its KV cache in one pool (the CPU backend's "GPU" tier); this engine reports it as the
-``gpu`` tier and serves no blocks to peers (``block_source()`` is None): moving vLLM blocks between
-workers is the KV connector's job.
+vLLM keeps its KV cache in one pool (the CPU backend's "GPU" tier), reported as the ``gpu`` tier. With
+lower tiers configured (``dram_blocks``/``disk_blocks``), the kvmesh KV connector
+(``vllm_engine/connector.py``) saves every block vLLM computes into a kvmesh store below it, loads
+blocks from there (or fetched there from peers) for new requests, and the store is the data plane's
+block source and sink; ``tier_view.py`` merges both kinds of copy into the one stream the fleet sees.
+Without lower tiers the engine moves no KV bytes (``block_source()`` is None).
 """
 
 from __future__ import annotations
@@ -45,8 +48,10 @@ from schemas.messages import KvEvent, TierUsage
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput
 from services.worker.errors import ModelConfigError, RequestRejected
+from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.vllm_engine.event_subscriber import EventSubscriber
 from services.worker.vllm_engine.hash_bridge import HashBridge, kvmesh_salt
+from services.worker.vllm_engine.tier_view import TierView
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,10 @@ class VllmEngineConfig:
     enforce_eager: bool = True
     event_buffer_steps: int = 10_000
     served_model_name: str | None = None
+    #: The kvmesh connector's tiers below vLLM's pool; both 0 turns the connector off.
+    dram_blocks: int = 0
+    disk_blocks: int = 0
+    disk_dir: str | None = None
 
 
 @dataclass
@@ -125,12 +134,21 @@ class VllmEngine:
         # ipc sockets: vLLM's PUB binds them, nothing listens on the network.
         endpoint = f"ipc://{self._sock_dir}/kv-events"
         replay = f"ipc://{self._sock_dir}/kv-replay"
+        self._hub: Any = None
+        self._hub_id: str | None = None
+        if cfg.dram_blocks > 0 or cfg.disk_blocks > 0:
+            from services.worker.vllm_engine.connector import ConnectorHub, register_hub
+
+            self._hub = ConnectorHub(None, cfg.block_size)  # type: ignore[arg-type]  # store set below
+            self._hub_id = register_hub(self._hub)
         try:
             self._llm = self._build(root, endpoint, replay)
         except ModelConfigError:
+            self._release_hub()
             shutil.rmtree(self._sock_dir, ignore_errors=True)
             raise
         except Exception as e:
+            self._release_hub()
             shutil.rmtree(self._sock_dir, ignore_errors=True)
             raise ModelConfigError(f"vLLM could not load {cfg.model_dir}: {type(e).__name__}: {e}") from e
         core = self._llm.engine_core.engine_core  # InprocClient → EngineCore
@@ -148,6 +166,22 @@ class VllmEngine:
         self.dtype = str(mc.dtype).removeprefix("torch.")
         self.vocab_size = int(mc.get_vocab_size())
         self._num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
+        self.store: KvCacheManager | None = None
+        if self._hub is not None:
+            from services.worker.vllm_engine.connector import vllm_block_layout
+
+            layout = vllm_block_layout(layers, kv_heads, self.block_size, mc.get_head_size(), self.dtype)
+            self.store = KvCacheManager(
+                layout,
+                gpu_blocks=0,  # vLLM's pool is the GPU tier
+                dram_blocks=cfg.dram_blocks,
+                disk_blocks=cfg.disk_blocks,
+                disk_dir=cfg.disk_dir,
+                worker_id=cfg.worker_id,
+            )
+            self._hub.store = self.store
+            self._check_connector_layout(layout.nbytes)
+        self.tiers = TierView(cfg.worker_id)
         self.tokenizer = HFTokenizer(root)
         self.model_name = root.name
         self._events = EventSubscriber(endpoint, replay)
@@ -160,12 +194,38 @@ class VllmEngine:
         self._events_lock = threading.Lock()  # drain and holdings may be asked from two tasks
         log.info("vLLM engine up: %s", self.describe())
 
+    def _release_hub(self) -> None:
+        if self._hub_id is not None:
+            from services.worker.vllm_engine.connector import unregister_hub
+
+            unregister_hub(self._hub_id)
+            self._hub_id = None
+
+    def _check_connector_layout(self, nbytes: int) -> None:
+        """The connector moves each layer's block slab as is: their sum must be one kvmesh block."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            raise ModelConfigError("vLLM did not start the kvmesh KV connector")
+        layers = getattr(get_kv_transfer_group(), "_layers", [])
+        got = sum(t[0].numel() * t.element_size() for t in layers)
+        if got != nbytes:
+            raise ModelConfigError(f"vLLM KV blocks are {got} bytes, the connector's layout {nbytes}")
+
     def _build(self, root: Path, endpoint: str, replay: str) -> Any:
         from vllm import EngineArgs
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine
 
         cfg = self.cfg
+        kv_transfer = None
+        if self._hub_id is not None:
+            kv_transfer = KVTransferConfig(
+                kv_connector="KvmeshConnector",
+                kv_connector_module_path="services.worker.vllm_engine.connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"kvmesh_hub": self._hub_id},
+            )
         args = EngineArgs(
             model=str(root),
             served_model_name=cfg.served_model_name,
@@ -179,6 +239,7 @@ class VllmEngine:
             max_num_seqs=cfg.max_batch,
             max_num_batched_tokens=max(cfg.prefill_chunk, cfg.block_size),
             num_gpu_blocks_override=cfg.gpu_blocks,
+            kv_transfer_config=kv_transfer,
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",
@@ -192,26 +253,38 @@ class VllmEngine:
 
     # ---- WorkerEngine: description and the data plane -------------------------------------------
     def describe(self) -> str:
+        lower = (
+            f", connector tiers dram {self.cfg.dram_blocks} / disk {self.cfg.disk_blocks} blocks"
+            if self.store is not None
+            else ", no connector"
+        )
         return (
             f"vllm engine, model {self.model_name}, block size {self.block_size}, {self._num_blocks} KV "
-            f"blocks of {self.block_bytes} B, context {self.max_context}, dtype {self.dtype}"
+            f"blocks of {self.block_bytes} B, context {self.max_context}, dtype {self.dtype}{lower}"
         )
 
-    def block_source(self) -> None:
-        return None
+    def block_source(self) -> KvCacheManager | None:
+        return self.store
 
-    def block_sink(self) -> None:
-        return None
+    def block_sink(self) -> KvCacheManager | None:
+        return self.store
 
-    # vLLM evicts its own pool (LRU); fleet-aware eviction and retain hints apply to kvmesh's tiers.
+    @property
+    def connector_stats(self) -> Any:
+        return self._hub.stats if self._hub is not None else None
+
+    # vLLM evicts its own pool (LRU); fleet-aware eviction and retain hints apply to the store below it.
     def set_fleet_copies(self, fn: Callable[[int], int] | None) -> None:
-        return None
+        if self.store is not None:
+            self.store.set_fleet_copies(fn)
 
     def retain(self, block_hashes: list[int], until_ms: int) -> None:
-        return None
+        if self.store is not None:
+            self.store.retain(block_hashes, until_ms)
 
     def expire_retains(self, now_ms: int) -> None:
-        return None
+        if self.store is not None:
+            self.store.expire_retains(now_ms)
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -312,7 +385,8 @@ class VllmEngine:
                     reused_tokens=reused,
                     recomputed_tokens=t.prompt_len - reused,
                     prefill_ms=(time.perf_counter() - t.started) * 1e3,
-                    promoted_blocks=0,
+                    # blocks the connector loaded from the tiers below (saved there, or fetched)
+                    promoted_blocks=self._hub.take_loaded(r.request_id) if self._hub is not None else 0,
                     fallback=self._fallback(t, reused),
                 )
             finished = bool(r.finished)
@@ -347,7 +421,10 @@ class VllmEngine:
             active_requests=len(running),
             active_tokens=sum(r.num_tokens for r in running),
             queued_prefill_tokens=queued,
-            tiers=[TierUsage(tier="gpu", free_blocks=free, total_blocks=self._num_blocks)],
+            tiers=[
+                TierUsage(tier="gpu", free_blocks=free, total_blocks=self._num_blocks),
+                *(t for t in (self.store.tier_usage() if self.store is not None else []) if t.tier != "gpu"),
+            ],
         )
 
     def _refresh_load(self) -> None:
@@ -361,16 +438,28 @@ class VllmEngine:
 
     # ---- KV events -------------------------------------------------------------------------------
     def lookup_prefix(self, block_hashes: list[int]) -> int:
-        return self.bridge.prefix_length(block_hashes)
+        return self.tiers.prefix_length(block_hashes)
 
     def drain_kv_events(self) -> list[KvEvent]:
         """vLLM's events since the last call, as kvmesh KvEvents (a re-announce after a lost gap)."""
         with self._events_lock:
             drained = self._events.drain()
-            out: list[KvEvent] = []
+            # The store's events first: saves and loads happen inside vLLM's step, so they describe the
+            # store as it is, while vLLM's own events arrive over ZMQ a little later. In this order a
+            # block vLLM drops but the store keeps is "moved" down, never briefly "removed".
+            if self.store is not None:
+                for kv in self.store.drain_kv_events():
+                    self.tiers.lower_event(kv)
             for batch in drained.batches:
                 for ev in batch[1]:
-                    out += self._convert(ev)
+                    for kv in self._convert(ev):
+                        if kv.kind == "stored":
+                            self.tiers.gpu_stored(list(kv.block_hashes), list(kv.parent_hashes))
+                        elif kv.kind == "removed":
+                            self.tiers.gpu_removed(list(kv.block_hashes))
+                        elif kv.kind == "cleared":
+                            self.tiers.gpu_cleared()
+            out = self.tiers.drain()
             if drained.lost or self._reannounce:
                 self._reannounce = False
                 out += self._resync()
@@ -422,6 +511,14 @@ class VllmEngine:
             len(self.bridge),
             len(gone),
         )
+        self.tiers.reset()
+        held = self.bridge.held()
+        self.tiers.gpu_stored([b.block_hash for b in held], [b.parent for b in held])
+        if self.store is not None:
+            for ev in self.store.holdings_events(4096):
+                if ev.tier != "gpu":
+                    self.tiers.lower_event(ev)
+        self.tiers.drain()  # the re-announce below says it all
         wid = self.cfg.worker_id
         cleared = KvEvent(worker_id=wid, kind="cleared", tier="gpu", block_hashes=[])
         return [cleared, *self.holdings_events(4096)]
@@ -446,19 +543,26 @@ class VllmEngine:
         return out
 
     def holdings_events(self, max_blocks_per_event: int) -> list[KvEvent]:
-        held = self.bridge.held()
         wid = self.cfg.worker_id
         step = max(1, max_blocks_per_event)
-        return [
-            KvEvent(
-                worker_id=wid,
-                kind="stored",
-                tier="gpu",
-                block_hashes=[b.block_hash for b in held[i : i + step]],
-                parent_hashes=[b.parent for b in held[i : i + step]],
-            )
-            for i in range(0, len(held), step)
-        ]
+        by_tier: dict[str, list[tuple[int, int]]] = {}
+        for h, parent, tier in self.tiers.held():
+            by_tier.setdefault(tier, []).append((h, parent))
+        out = []
+        for tier in ("gpu", "dram", "disk"):
+            blocks = by_tier.get(tier, [])
+            for i in range(0, len(blocks), step):
+                chunk = blocks[i : i + step]
+                out.append(
+                    KvEvent(
+                        worker_id=wid,
+                        kind="stored",
+                        tier=tier,
+                        block_hashes=[h for h, _ in chunk],
+                        parent_hashes=[p for _, p in chunk],
+                    )
+                )
+        return out
 
     # ---- calibration -------------------------------------------------------------------------------
     def calibrate(self, short: int = 256, long: int = 2048, decode_ctx: int = 256) -> PerfProfile:
@@ -526,6 +630,10 @@ class VllmEngine:
         self._pending.clear()
         self.close()
         self.bridge.cleared()
+        self.tiers.reset()
+        if self.store is not None:
+            self.store.clear()
+            self.store.close()
         return [KvEvent(worker_id=self.cfg.worker_id, kind="cleared", tier="gpu", block_hashes=[])]
 
     def close(self) -> None:
@@ -533,6 +641,7 @@ class VllmEngine:
             self._events.close()
         with contextlib.suppress(Exception):
             self._llm.engine_core.shutdown()
+        self._release_hub()
         shutil.rmtree(self._sock_dir, ignore_errors=True)
 
 
@@ -558,15 +667,15 @@ def _event_fields(ev: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _merge(events: list[KvEvent]) -> list[KvEvent]:
-    """Consecutive stored (or removed) events of one tier merged into one record."""
+    """Consecutive events of one kind between the same tiers merged into one record (vLLM reports
+    evictions one block at a time)."""
     out: list[KvEvent] = []
     for ev in events:
         prev = out[-1] if out else None
         if (
             prev is not None
-            and prev.kind == ev.kind
-            and ev.kind in ("stored", "removed")
-            and prev.tier == ev.tier
+            and ev.kind != "cleared"
+            and (prev.kind, prev.tier, prev.from_tier) == (ev.kind, ev.tier, ev.from_tier)
         ):
             parents = (
                 list(prev.parent_hashes) + list(ev.parent_hashes)
@@ -579,6 +688,7 @@ def _merge(events: list[KvEvent]) -> list[KvEvent]:
                 tier=prev.tier,
                 block_hashes=list(prev.block_hashes) + list(ev.block_hashes),
                 parent_hashes=parents,
+                from_tier=prev.from_tier,
             )
         else:
             out.append(ev)

@@ -34,10 +34,15 @@ log = logging.getLogger(__name__)
 class FetchOutcome:
     fetched_blocks: int = 0
     failures: int = 0
+    declined: int = 0  # runs the worker's own cost check turned down
 
 
 def _parents(hashes: list[int], start: int, n: int) -> list[int]:
     return [hashes[i - 1] if i > 0 else 0 for i in range(start, start + n)]
+
+
+#: ``worth_fetching(n_blocks, cached_tokens)``: the worker's own check of a plan against the cost model.
+WorthFetching = Callable[[int, int], bool]
 
 
 async def fetch_planned(
@@ -47,8 +52,12 @@ async def fetch_planned(
     sink: BlockSink,
     lookup_prefix: Callable[[list[int]], int],
     peer_id: str,
+    worth_fetching: WorthFetching | None = None,
 ) -> FetchOutcome:
-    """Fetch the plan's blocks that extend the local prefix; updates ``entry`` (fetched, fallback)."""
+    """Fetch the plan's blocks that extend the local prefix; updates ``entry`` (fetched, fallback).
+
+    ``worth_fetching`` re-checks each run with this worker's own measured figures (the scheduler
+    priced it with what it last heard): a run that no longer beats recomputing it is not pulled."""
     req = a.request
     hashes = int_list(req.block_hashes)
     outcome = FetchOutcome()
@@ -63,6 +72,12 @@ async def fetch_planned(
         skip = have - plan.first_block
         want = list(plan.block_hashes[skip:])
         start = plan.first_block + skip
+        if worth_fetching is not None and not worth_fetching(len(want), start * req.block_size):
+            outcome.declined += 1
+            entry.fallback = (
+                f"fetch of {len(want)} blocks from {plan.peer_worker} costs more than recomputing"
+            )
+            break
         result = await client.fetch(
             plan.peer_address, want, _parents(hashes, start, len(want)), req.namespace, sink, peer_id=peer_id
         )

@@ -31,6 +31,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from kvmesh.costmodel import fetch_beats_recompute
 from schemas.messages import (
     Assignment,
     CancelRequest,
@@ -109,6 +110,7 @@ class WorkerService:
             "cancelled": 0,
             "fetched_blocks": 0,
             "fetch_failures": 0,
+            "fetches_declined": 0,
             "fallbacks": 0,
             "replications": 0,
             "reannounced_blocks": 0,
@@ -310,12 +312,21 @@ class WorkerService:
         # a chained block is useless after a gap.
         sink = self.engine.block_sink()
         if a.fetch and self._client is not None and sink is not None:
-            got = await fetch_planned(a, entry, self._client, sink, self.engine.lookup_prefix, self.worker_id)
+            got = await fetch_planned(
+                a, entry, self._client, sink, self.engine.lookup_prefix, self.worker_id, self._worth_fetching
+            )
             self.metrics["fetched_blocks"] += got.fetched_blocks
             self.metrics["fetch_failures"] += got.failures
+            self.metrics["fetches_declined"] += got.declined
         elif a.fetch:
             entry.fallback = f"engine {self.engine.kind} takes no peer blocks; recomputing"
         await self._inbox.put(("add", entry))
+
+    def _worth_fetching(self, n_blocks: int, cached_tokens: int) -> bool:
+        """The shared cost model with this worker's measured figures (no profile yet: trust the plan)."""
+        if self._profile is None:
+            return True
+        return fetch_beats_recompute(self._profile, n_blocks, cached_tokens)
 
     async def _replicate(self, cmd: ReplicateCommand) -> None:
         sink = self.engine.block_sink()

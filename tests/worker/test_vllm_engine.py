@@ -8,17 +8,14 @@ input with the engine serving on.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
+
+from vllm_helpers import llm_generate
 
 from kvmesh.modeldir import init_model_dir
 from kvmesh.tokenizer import ChatMessage, render_chat, render_history
@@ -94,34 +91,7 @@ def _stored_hashes(eng: VllmEngine) -> list[int]:
 
 
 def _reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens from ``vllm.LLM.generate`` in a fresh process (no prefix cache shared with us)."""
-    code = textwrap.dedent(
-        f"""
-        import json, sys
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-        if __name__ == "__main__":
-            prompts = json.loads(sys.stdin.read())
-            llm = LLM(model={str(model_dir)!r}, dtype="float32", block_size={BS}, max_model_len={CTX},
-                      enforce_eager=True, enable_prefix_caching=False, seed=0)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                SamplingParams(temperature=0.0, max_tokens={max_tokens}, detokenize=False),
-                                use_tqdm=False)
-            print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-        """
-    )
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        input=json.dumps(prompts),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return llm_generate(model_dir, prompts, max_tokens, block_size=BS, max_model_len=CTX)
 
 
 def test_greedy_output_equals_llm_generate_and_turn_two_reuses_vllm_counted_blocks(

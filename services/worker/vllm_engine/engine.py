@@ -620,6 +620,20 @@ class VllmEngine:
             disk_blocks=0,
         )
 
+    def reset_cache(self) -> list[KvEvent]:
+        """Forget every cached block, vLLM's and the store's (benchmarks and tests between cases); only
+        while no request runs. The events tell the fleet."""
+        if self._tracks:
+            raise RuntimeError("reset_cache while requests run")
+        self._llm.reset_prefix_cache()
+        with self._events_lock:
+            self._events.drain()  # vLLM's AllBlocksCleared and anything before it
+            self.bridge.cleared()
+            self.tiers.reset()
+            if self.store is not None:
+                self.store.clear()
+        return [KvEvent(worker_id=self.cfg.worker_id, kind="cleared", tier="gpu", block_hashes=[])]
+
     # ---- shutdown -------------------------------------------------------------------------------
     def release_all(self) -> list[KvEvent]:
         """Abort everything, stop vLLM; the fleet is told every block of this worker is gone."""

@@ -1,0 +1,234 @@
+"""The kvmesh KV connector under one real vLLM engine: tiers below vLLM's pool, loads from them, and
+blocks that arrive over the data plane, good or bad.
+
+The reference for every answer is the same engine computing the same prompt from scratch (its caches
+reset first): a load that put wrong bytes in a block would change the greedy tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvmesh.modeldir import init_model_dir
+from kvmesh.tokenizer import ChatMessage, render_chat
+from schemas.blocks import ROOT_HASH, block_hashes, tenant_namespace
+from services.worker.engine_api import EngineRequest, RequestStats
+from services.worker.transfer import BlockClient, BlockServer
+from services.worker.transfer.frames import REQUEST_PREFIX, BlockRequest, Status, checksum, pack_header
+from services.worker.transfer.memory import MemoryBlockStore
+from services.worker.vllm_engine import VllmEngine, VllmEngineConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BS = 32
+NS_A = tenant_namespace("A")
+NS_B = tenant_namespace("B")
+SECRET = b"connector-test-secret"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+    model = init_model_dir(tmp_path_factory.mktemp("conn") / "tiny-llama", seed=5)
+    eng = VllmEngine(
+        VllmEngineConfig(
+            model_dir=str(model),
+            block_size=BS,
+            gpu_blocks=48,  # small on purpose: other prompts push a conversation out of vLLM's pool
+            max_context=1024,
+            dtype="float32",
+            dram_blocks=512,
+        )
+    )
+    yield eng
+    eng.release_all()
+
+
+def _run(
+    eng: VllmEngine, rid: str, ids: list[int], ns: bytes = NS_A, n: int = 10
+) -> tuple[list[int], RequestStats]:
+    eng.add_request(EngineRequest(rid, f"s-{rid}", ids, block_hashes(ids, BS, ns), ns, n, block_size=BS))
+    out: list[int] = []
+    stats = None
+    while eng.has_work():
+        for o in eng.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+                stats = o.stats or stats
+    assert stats is not None
+    return out, stats
+
+
+def _turns(eng: VllmEngine, topic: str) -> tuple[list[int], list[int]]:
+    """Turn 1's prompt and turn 2's (turn 1 + its greedy answer + a question), from scratch."""
+    tok = eng.tokenizer
+    t1 = [ChatMessage("system", f"Talk about {topic}. " * 12), ChatMessage("user", f"What is {topic}?")]
+    eng.reset_cache()
+    p1 = render_chat(tok, t1)
+    out1, _ = _run(eng, f"{topic}-t1", p1)
+    p2 = render_chat(tok, [*t1, ChatMessage("assistant", tok.decode(out1)), ChatMessage("user", "More?")])
+    assert p2[: len(p1)] == p1
+    return p1, p2
+
+
+def _reference(eng: VllmEngine, rid: str, ids: list[int]) -> list[int]:
+    eng.reset_cache()
+    out, stats = _run(eng, rid, ids)
+    assert stats.reused_tokens == 0
+    return out
+
+
+def _settle(eng: VllmEngine) -> None:
+    time.sleep(0.2)
+    eng.drain_kv_events()
+
+
+def test_every_computed_block_is_saved_below_and_announced(engine: VllmEngine) -> None:
+    p1, _ = _turns(engine, "caches")
+    _settle(engine)
+    assert engine.store is not None
+    hashes = block_hashes(p1, BS, NS_A)
+    assert all(engine.store.tier_of(h) == "dram" for h in hashes)
+    held = {h: tier for h, _p, tier in engine.tiers.held()}
+    assert all(held[h] == "gpu" for h in hashes)  # the fleet sees the best copy: vLLM's pool
+    stats = engine.connector_stats
+    assert stats.saved_blocks >= len(hashes) and stats.save_s > 0
+
+
+def test_a_block_evicted_from_vllm_is_loaded_from_dram_next_turn(engine: VllmEngine) -> None:
+    p1, p2 = _turns(engine, "tiers")
+    want = _reference(engine, "tiers-ref", p2)
+    p1, p2 = _turns(engine, "tiers")
+    # other prompts push turn 1 out of vLLM's 48-block pool; the DRAM tier keeps it
+    for i in range(4):
+        _run(
+            engine,
+            f"fill-{i}",
+            render_chat(engine.tokenizer, [ChatMessage("user", f"filler {i} " * 150)]),
+            n=1,
+        )
+    _settle(engine)
+    h1 = block_hashes(p1, BS, NS_A)
+    assert engine.tiers.tier_of(h1[0]) == "dram", "turn 1 is still in vLLM's pool: the test proves nothing"
+    out, stats = _run(engine, "tiers-t2", p2)
+    assert stats.promoted_blocks >= len(p1) // BS  # loaded by the connector, not recomputed
+    assert stats.reused_tokens >= (len(p1) // BS) * BS
+    assert out == want
+
+
+async def _fetch(eng: VllmEngine, address: str, hashes: list[int], ns: bytes) -> int:
+    client = BlockClient(SECRET, timeout_s=5.0)
+    assert eng.store is not None
+    parents = [ROOT_HASH, *hashes[:-1]]
+    result = await client.fetch(address, hashes, parents, ns, eng.store, peer_id="test")
+    return len(result.received)
+
+
+def _peer_copy(eng: VllmEngine, hashes: list[int], ns: bytes) -> MemoryBlockStore:
+    """A peer holding exactly this engine's bytes of ``hashes`` (what worker A would serve)."""
+    assert eng.store is not None
+    peer = MemoryBlockStore(eng.store.layout)
+    for i, h in enumerate(hashes):
+        got = eng.store.read_block(h)
+        assert got is not None
+        peer.put(h, bytes(got[1]), ns, parent=hashes[i - 1] if i else ROOT_HASH)
+        eng.store.release_read(h)
+    return peer
+
+
+def test_blocks_fetched_from_a_peer_are_loaded_and_give_the_same_answer(engine: VllmEngine) -> None:
+    p1, p2 = _turns(engine, "peers")
+    _settle(engine)
+    hashes = block_hashes(p1, BS, NS_A)
+    peer = _peer_copy(engine, hashes, NS_A)
+    want = _reference(engine, "peers-ref", p2)
+
+    async def run() -> int:
+        async with BlockServer(peer, secret=SECRET) as server:
+            engine.reset_cache()
+            return await _fetch(engine, server.address, hashes, NS_A)
+
+    assert asyncio.run(run()) == len(hashes)
+    out, stats = _run(engine, "peers-t2", p2)
+    assert stats.promoted_blocks == len(hashes) and stats.reused_tokens == len(hashes) * BS
+    assert out == want
+
+
+def test_another_tenant_fetches_nothing_and_recomputes(engine: VllmEngine) -> None:
+    p1, p2 = _turns(engine, "tenants")
+    _settle(engine)
+    hashes = block_hashes(p1, BS, NS_A)
+    peer = _peer_copy(engine, hashes, NS_A)
+    want = _reference(engine, "tenants-ref", p2)
+
+    async def run() -> int:
+        async with BlockServer(peer, secret=SECRET) as server:
+            engine.reset_cache()
+            return await _fetch(engine, server.address, hashes, NS_B)  # B asks for A's blocks
+
+    assert asyncio.run(run()) == 0
+    out, stats = _run(engine, "tenants-t2", p2)
+    assert stats.promoted_blocks == 0 and out == want
+
+
+def test_corrupt_bytes_from_a_peer_stop_at_the_bad_block_and_the_rest_is_recomputed(
+    engine: VllmEngine,
+) -> None:
+    p1, p2 = _turns(engine, "corruption")
+    _settle(engine)
+    hashes = block_hashes(p1, BS, NS_A)
+    assert len(hashes) >= 3
+    peer = _peer_copy(engine, hashes, NS_A)
+    want = _reference(engine, "corrupt-ref", p2)
+    bad = 2  # blocks 0 and 1 arrive intact, block 2's bytes are flipped after the checksum
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(4))
+        req = BlockRequest.decode(await reader.readexactly(length))
+        for i, h in enumerate(req.block_hashes):
+            data = bytearray(peer.block_bytes(h))
+            digest = checksum(data)
+            if i == bad:
+                data[len(data) // 2] ^= 0xFF
+            writer.write(pack_header(Status.OK, h, len(data), digest, 1) + bytes(data))
+        await writer.drain()
+        writer.close()
+
+    async def run() -> int:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        try:
+            engine.reset_cache()
+            return await _fetch(engine, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", hashes, NS_A)
+        finally:
+            server.close()
+
+    assert asyncio.run(run()) == bad
+    out, stats = _run(engine, "corrupt-t2", p2)
+    assert stats.promoted_blocks == bad and stats.reused_tokens == bad * BS
+    assert out == want
+
+
+def test_the_store_serves_peers_through_the_block_server(engine: VllmEngine) -> None:
+    p1, _ = _turns(engine, "serving")
+    _settle(engine)
+    hashes = block_hashes(p1, BS, NS_A)
+    assert engine.block_source() is engine.store is not None
+    sink = MemoryBlockStore(engine.store.layout)
+
+    async def run() -> tuple[int, int]:
+        async with BlockServer(engine.store, secret=SECRET) as server:
+            client = BlockClient(SECRET, timeout_s=5.0)
+            parents = [ROOT_HASH, *hashes[:-1]]
+            ok = await client.fetch(server.address, hashes, parents, NS_A, sink, peer_id="peer")
+            other = await client.fetch(server.address, hashes, parents, NS_B, sink, peer_id="peer")
+            return len(ok.received), len(other.received)
+
+    assert asyncio.run(run()) == (len(hashes), 0)
+    got = engine.store.read_block(hashes[0])
+    assert got is not None and bytes(got[1]) == sink.block_bytes(hashes[0])
+    engine.store.release_read(hashes[0])

@@ -4,6 +4,11 @@ Several users share one system prompt and hold multi-turn conversations. Each tu
 history (as OpenAI clients do), so after turn 1 most of every prompt is already cached somewhere in
 the fleet; the table shows where each turn ran, its time to first token and how its prompt tokens
 were served (reused on the worker, fetched from a peer, or recomputed).
+
+``--embedded --engine vllm --model DIR`` runs it on vLLM workers (with the kvmesh KV connector). With
+``--json`` the last line is one JSON object: the totals of reused, fetched and recomputed tokens and
+``outputs_match_reference``, true when every greedy answer equals the answer of a recompute-only run of
+the same conversation (a fresh engine of the same kind, each prompt in a namespace of its own).
 """
 
 from __future__ import annotations
@@ -51,9 +56,10 @@ async def _chat(
     messages: list[dict[str, str]],
     max_tokens: int,
     headers: dict[str, str],
+    model: str = "kvmesh-tiny",
 ) -> tuple[str, dict[str, Any], float]:
     body = {
-        "model": "kvmesh-tiny",
+        "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -75,7 +81,10 @@ async def run_demo(
     max_tokens: int,
     api_key: str | None,
     before_turn: Callable[[int], None] | None = None,
+    model: str = "kvmesh-tiny",
+    transcripts: dict[tuple[int, int], tuple[list[dict[str, str]], str]] | None = None,
 ) -> list[TurnResult]:
+    """Run the conversations; ``transcripts`` (if given) receives (user, turn) → (messages, answer)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results: list[TurnResult] = []
     histories = {u: [{"role": "system", "content": SYSTEM_PROMPT}] for u in range(users)}
@@ -87,7 +96,11 @@ async def run_demo(
             async def one(u: int, turn: int = turn) -> None:
                 hist = histories[u]
                 hist.append({"role": "user", "content": f"(user {u}) {QUESTIONS[turn % len(QUESTIONS)]}"})
-                answer, data, e2e = await _chat(client, url, f"demo-user-{u}", hist, max_tokens, headers)
+                answer, data, e2e = await _chat(
+                    client, url, f"demo-user-{u}", hist, max_tokens, headers, model
+                )
+                if transcripts is not None:
+                    transcripts[(u, turn + 1)] = ([dict(m) for m in hist], answer)
                 hist.append({"role": "assistant", "content": answer})
                 ext = data.get("kvmesh", {})
                 usage = data.get("usage", {})
@@ -139,6 +152,57 @@ def format_table(results: list[TurnResult]) -> str:
     return "\n".join(lines)
 
 
+def reference_answers(
+    engine: str,
+    model: str,
+    dtype: str,
+    block_size: int,
+    conversations: list[list[dict[str, str]]],
+    max_tokens: int,
+    max_context: int | None = None,
+) -> list[str]:
+    """Each conversation's next greedy answer from a fresh engine that reuses nothing: every prompt gets
+    a namespace of its own (a cache salt of its own in vLLM), so every token is recomputed."""
+    from kvmesh.tokenizer import ChatMessage, render_chat
+    from schemas.blocks import block_hashes
+    from services.worker.config import WorkerSettings
+    from services.worker.engine_api import EngineRequest
+    from services.worker.engines import build_engine
+
+    eng = build_engine(
+        WorkerSettings(
+            worker_id="demo-reference",
+            engine=engine,  # type: ignore[arg-type]
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            gpu_blocks=512,
+            dram_blocks=0,
+            disk_blocks=0,
+            vllm_connector=False,
+            max_context=max_context,
+            calibrate=False,
+            insecure_dev_transfer=True,
+        )
+    )
+    answers = []
+    try:
+        for i, msgs in enumerate(conversations):
+            ids = render_chat(eng.tokenizer, [ChatMessage(m["role"], m["content"]) for m in msgs])
+            ns = b"demo-reference:%d" % i
+            eng.add_request(
+                EngineRequest(f"ref-{i}", "ref", ids, block_hashes(ids, eng.block_size, ns), ns, max_tokens)
+            )
+            out: list[int] = []
+            while eng.has_work():
+                for o in eng.step():
+                    out += o.new_token_ids
+            answers.append(eng.tokenizer.decode(out))
+    finally:
+        eng.release_all()
+    return answers
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kvmesh demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -153,11 +217,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-drain", action="store_true", help="with --embedded: do not drain worker-0 before the last turn"
     )
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin", help="with --embedded")
+    p.add_argument("--model", default="tiny", help="with --embedded: a built-in size or a model directory")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="with --embedded: the workers' dtype (default float32 for vllm, so the reference is exact)",
+    )
+    p.add_argument(
+        "--model-name", default=None, help="the OpenAI model name to ask for (default: the served one)"
+    )
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = p.parse_args(argv)
+    from services.worker.config import served_model_for
+
+    model_name = args.model_name or served_model_for(args.model)
+    dtype = args.dtype or ("float32" if args.engine == "vllm" else "auto")
+    transcripts: dict[tuple[int, int], tuple[list[dict[str, str]], str]] = {}
 
     def go(url: str, before_turn: Callable[[int], None] | None = None) -> list[TurnResult]:
-        return asyncio.run(run_demo(url, args.users, args.turns, args.max_tokens, args.api_key, before_turn))
+        return asyncio.run(
+            run_demo(
+                url,
+                args.users,
+                args.turns,
+                args.max_tokens,
+                args.api_key,
+                before_turn,
+                model=model_name,
+                transcripts=transcripts,
+            )
+        )
 
     if args.embedded:
         from kvmesh.devstack import DevStack, DevStackSettings
@@ -167,9 +257,15 @@ def main(argv: list[str] | None = None) -> int:
             f"starting the embedded stack (broker, redis, kvmanager, scheduler, "
             f"{args.workers} workers, intake)...\n"
         )
-        with DevStack(
-            DevStackSettings(workers=args.workers, intake_port=0, log_level="WARNING"), sink=logs.append
-        ) as stack:
+        settings = DevStackSettings(
+            workers=args.workers,
+            intake_port=0,
+            log_level="WARNING",
+            engine=args.engine,
+            model=args.model,
+            extra_env={"KVMESH_WORKER_DTYPE": dtype},
+        )
+        with DevStack(settings, sink=logs.append) as stack:
             sys.stderr.write(
                 f"stack up at {stack.intake_url}; running {args.users} users x {args.turns} turns\n"
             )
@@ -188,7 +284,26 @@ def main(argv: list[str] | None = None) -> int:
         results = go(args.url)
     sys.stdout.write(format_table(results) + "\n")
     if args.json:
-        sys.stdout.write(json.dumps({"turns": [asdict(r) for r in results]}) + "\n")
+        summary: dict[str, Any] = {
+            "engine": args.engine if args.embedded else None,
+            "model": model_name,
+            "reused_tokens": sum(r.reused for r in results),
+            "fetched_tokens": sum(r.fetched for r in results),
+            "recomputed_tokens": sum(r.recomputed for r in results),
+            "outputs_match_reference": None,
+            "turns": [asdict(r) for r in results],
+        }
+        if args.embedded:
+            sys.stderr.write("recomputing every answer on a fresh engine for the reference...\n")
+            keys = sorted(transcripts)
+            bs = 32 if args.engine == "vllm" else 16
+            want = reference_answers(
+                args.engine, args.model, dtype, bs, [transcripts[k][0] for k in keys], args.max_tokens
+            )
+            mismatches = [k for k, w in zip(keys, want, strict=True) if transcripts[k][1] != w]
+            summary["outputs_match_reference"] = not mismatches
+            summary["mismatches"] = [{"user": u, "turn": t} for u, t in mismatches]
+        sys.stdout.write(json.dumps(summary) + "\n")
     return 0
 
 

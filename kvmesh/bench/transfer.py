@@ -276,7 +276,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)), help="MiB per fetch, comma-separated")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per size (default: by size)")
     ap.add_argument("--no-engine", action="store_true", help="recompute time from the cpu-tiny profile")
+    ap.add_argument(
+        "--engine",
+        choices=["builtin", "vllm"],
+        default="builtin",
+        help="vllm: a 4k prompt through vLLM, 90%% fetched through the kvmesh connector vs recomputed",
+    )
+    ap.add_argument("--model", default=None, help="with --engine vllm: a local model directory")
+    ap.add_argument("--dtype", default="auto", help="with --engine vllm")
+    ap.add_argument("--tokens", type=int, default=4096, help="with --engine vllm: prompt length")
+    ap.add_argument("--fraction", type=float, default=0.9, help="with --engine vllm: share fetched")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="with --engine vllm: fresh prompts; fastest counts"
+    )
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.engine == "vllm":
+        if not args.model:
+            ap.error("--engine vllm needs --model DIR (kvmesh model init DIR writes one)")
+        from kvmesh.bench.transfer_vllm import main_vllm
+
+        return main_vllm(args)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     rounds = {s: args.rounds or ROUNDS.get(s, 5) for s in sizes}
 

@@ -163,6 +163,9 @@ def reference_answers(
 ) -> list[str]:
     """Each conversation's next greedy answer from a fresh engine that reuses nothing: every prompt gets
     a namespace of its own (a cache salt of its own in vLLM), so every token is recomputed."""
+    import os
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep vLLM's start-up chatter off stdout
     from kvmesh.tokenizer import ChatMessage, render_chat
     from schemas.blocks import block_hashes
     from services.worker.config import WorkerSettings

@@ -136,6 +136,68 @@ def test_drained_workers_sessions_fetch_their_history_and_answer_the_same(
     assert [list(done[rid].output_token_ids) for rid in results] == want
 
 
+def test_a_hot_prefix_is_replicated_between_vllm_workers(stack: DevStack, model_dir: Path) -> None:
+    """A ReplicateCommand makes one vLLM worker pull a run of another's blocks into its DRAM tier."""
+    from schemas.blocks import block_hashes, tenant_namespace
+    from schemas.messages import KvEvent, LoadReport, ReplicateCommand
+    from streams.producer import TypedProducer
+
+    tok = HFTokenizer(model_dir)
+    convo = _conversation(7)
+    d = _chat(stack, "hot", convo)
+    source = d["kvmesh"]["worker"]
+    target = next(w for w in stack.worker_ids if w != source)
+    hashes = block_hashes(
+        render_chat(tok, [ChatMessage(**m) for m in convo]), BS, tenant_namespace("default")
+    )
+    hashes = hashes[: len(hashes) - 1]
+
+    async def run() -> set[int]:
+        loads = TypedConsumer(stack.kafka, [topics.LOAD], group_id=None, from_beginning=True, dedup=False)
+        await loads.start()
+        address = ""
+        try:
+            while not address:
+                for r in await loads.getmany(timeout_ms=300):
+                    if isinstance(r.message, LoadReport) and r.message.worker_id == source:
+                        address = r.message.transfer_address
+        finally:
+            await loads.stop()
+        events = TypedConsumer(
+            stack.kafka, [topics.KV_EVENTS], group_id=None, from_beginning=False, dedup=False
+        )
+        await events.start()
+        got: set[int] = set()
+        try:
+            await events.positions()
+            async with TypedProducer(stack.kafka, "test-replicate") as p:
+                cmd = ReplicateCommand(
+                    command_id="rep-1",
+                    target_worker=target,
+                    source_worker=source,
+                    source_address=address,
+                    block_hashes=hashes,
+                    namespace=tenant_namespace("default"),
+                )
+                await p.send(topics.CONTROL, cmd)
+            deadline = time.monotonic() + 30
+            while not set(hashes) <= got and time.monotonic() < deadline:
+                for r in await events.getmany(timeout_ms=300):
+                    m = r.message
+                    if (
+                        isinstance(m, KvEvent)
+                        and m.worker_id == target
+                        and m.kind == "stored"
+                        and m.tier == "dram"
+                    ):
+                        got |= set(m.block_hashes)
+        finally:
+            await events.stop()
+        return got
+
+    assert set(hashes) <= asyncio.run(run())
+
+
 def test_a_peer_that_dies_before_the_fetch_means_recompute_and_the_same_answer(
     stack: DevStack, model_dir: Path
 ) -> None:

@@ -602,10 +602,15 @@ class VllmEngine:
         a, b = fit_prefill_cost(samples)
         steps = run(min(decode_ctx, self.max_context - 40), 17)[1:]
         decode = sorted(steps)[len(steps) // 2] if steps else 5.0
-        # Calibration prompts are nobody's cache; vLLM's LRU ages them out, and the fleet never saw
-        # them (no kvmesh salt → the bridge skips them).
-        with contextlib.suppress(Exception):
-            self.drain_kv_events()
+        # Calibration prompts are nobody's cache: on an idle engine (at start) forget them everywhere,
+        # vLLM's pool, the connector's store and the bridge, before the fleet hears of them.
+        if not self._tracks:
+            self.reset_cache()
+            time.sleep(0.05)  # vLLM's AllBlocksCleared and the removals before it
+            with self._events_lock:
+                self._events.drain()
+                self.bridge.cleared()
+                self.tiers.reset()
         return PerfProfile(
             prefill_ms_per_token=a,
             prefill_ms_per_token_per_ctx=b,

@@ -94,6 +94,9 @@ class WorkerSettings(BaseSettings):
     # The kvmesh KV connector under vLLM: DRAM/disk tiers (dram_blocks, disk_blocks), loads from them,
     # peer fetch and serving through the data plane. Off: vLLM keeps only its own pool.
     vllm_connector: bool = True
+    # Connector loads in a background thread (vLLM's WAITING_FOR_REMOTE_KVS path) rather than in the
+    # forward: for hosts where the copy is a DMA; on the CPU build the GIL makes it slower (see README).
+    vllm_async_load: bool = False
     # Reporting
     load_interval_ms: int = 500
     calibrate: bool = True

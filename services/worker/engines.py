@@ -47,6 +47,7 @@ def build_engine(settings: WorkerSettings) -> WorkerEngine:
                 dram_blocks=settings.dram_blocks if settings.vllm_connector else 0,
                 disk_blocks=settings.disk_blocks if settings.vllm_connector else 0,
                 disk_dir=settings.disk_dir,
+                async_load=settings.vllm_async_load,
             )
         )
     from services.worker.engine import Engine, EngineConfig

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -232,3 +233,80 @@ def test_the_store_serves_peers_through_the_block_server(engine: VllmEngine) -> 
     got = engine.store.read_block(hashes[0])
     assert got is not None and bytes(got[1]) == sink.block_bytes(hashes[0])
     engine.store.release_read(hashes[0])
+
+
+def test_the_asynchronous_load_path_gives_the_same_answer(engine: VllmEngine) -> None:
+    """Loads copied by a background thread while vLLM parks the request (WAITING_FOR_REMOTE_KVS)."""
+    p1, p2 = _turns(engine, "async")
+    want = _reference(engine, "async-ref", p2)
+    p1, p2 = _turns(engine, "async")
+    for i in range(4):
+        fill = render_chat(engine.tokenizer, [ChatMessage("user", f"filler {i} " * 150)])
+        _run(engine, f"async-fill-{i}", fill, n=1)
+    _settle(engine)
+    assert engine._hub is not None
+    engine._hub.async_load = True
+    try:
+        out, stats = _run(engine, "async-t2", p2)
+    finally:
+        engine._hub.async_load = False
+    assert stats.promoted_blocks >= len(p1) // BS and out == want
+    assert not engine._hub.loading and not engine._hub.delay_free
+
+
+_DYING_PEER = """
+import asyncio, os, pickle, sys
+from services.worker.transfer.frames import REQUEST_PREFIX, BlockRequest, Status, checksum, pack_header
+
+blocks = pickle.load(open(sys.argv[1], "rb"))
+survive = int(sys.argv[2])
+
+async def serve(reader, writer):
+    (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(4))
+    req = BlockRequest.decode(await reader.readexactly(length))
+    for i, h in enumerate(req.block_hashes):
+        if i == survive:
+            os._exit(9)  # the peer process dies in the middle of the transfer
+        data = blocks[h]
+        writer.write(pack_header(Status.OK, h, len(data), checksum(data), 1) + data)
+        await writer.drain()
+
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+
+asyncio.run(main())
+"""
+
+
+def test_a_peer_process_that_dies_mid_fetch_leaves_a_verified_prefix_and_the_same_answer(
+    engine: VllmEngine, tmp_path: Path
+) -> None:
+    import pickle
+    import subprocess
+    import sys
+
+    p1, p2 = _turns(engine, "dying")
+    _settle(engine)
+    hashes = block_hashes(p1, BS, NS_A)
+    assert len(hashes) >= 3
+    peer = _peer_copy(engine, hashes, NS_A)
+    want = _reference(engine, "dying-ref", p2)
+    blob = tmp_path / "blocks.pkl"
+    blob.write_bytes(pickle.dumps({h: peer.block_bytes(h) for h in hashes}))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DYING_PEER, str(blob), "2"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        engine.reset_cache()
+        got = asyncio.run(_fetch(engine, f"127.0.0.1:{port}", hashes, NS_A))
+        assert proc.wait(10) == 9  # it really died
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert got == 2
+    out, stats = _run(engine, "dying-t2", p2)
+    assert stats.promoted_blocks == 2 and out == want

@@ -84,13 +84,25 @@ class ConnectorStats:
 
 
 class ConnectorHub:
-    """What the worker service and both connector roles share: the store below vLLM and the counters."""
+    """What the worker service and both connector roles share: the store below vLLM, the counters, and
+    the bookkeeping of asynchronous loads.
 
-    def __init__(self, store: KvCacheManager, block_size: int) -> None:
+    Invariant (async loads): a vLLM request id is in ``loading`` from the step its load is handed to the
+    worker role until the copy has finished; the blocks of a request that ends meanwhile are freed only
+    once the copy is done (``request_finished`` returns True, the copy reports it in ``done_sending``),
+    so a copy never writes into blocks another request already got.
+    """
+
+    def __init__(self, store: KvCacheManager, block_size: int, async_load: bool = False) -> None:
         self.store = store
         self.block_size = block_size
+        self.async_load = async_load
         self.stats = ConnectorStats()
-        self.lock = threading.Lock()  # guards stats
+        self.lock = threading.Lock()  # guards stats and the sets below
+        self.loading: set[str] = set()
+        self.delay_free: set[str] = set()
+        self.done_recving: set[str] = set()
+        self.done_sending: set[str] = set()
 
     def take_loaded(self, request_id: str) -> int:
         with self.lock:
@@ -180,6 +192,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        self._pool: Any = None  # the worker role's copy thread (async loads)
 
     # ---- scheduler role ----------------------------------------------------------------------------
     def _state(self, request: Request) -> _ReqState | None:
@@ -207,7 +220,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         hashes = st.hashes_upto(usable, bs)
         n = self.hub.store.lookup_prefix(hashes[start:usable])
         st.match_start, st.match_blocks = start, n
-        return n * bs, False
+        # Asynchronous: vLLM parks the request (WAITING_FOR_REMOTE_KVS) and keeps stepping the others
+        # while the worker role copies; the request runs once get_finished reports its copy done.
+        return n * bs, bool(n) and self.hub.async_load
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -227,6 +242,14 @@ class KvmeshConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvmeshConnectorMeta()
         bs = self.bs
+        # Loads allocated this step: scheduled now (sync) or parked until their copy is done (async).
+        for rid, st in self._reqs.items():
+            if st.pending_load:
+                meta.loads[rid] = st.pending_load
+                st.pending_load = None
+        if self.hub.async_load and meta.loads:
+            with self.hub.lock:
+                self.hub.loading.update(meta.loads)
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -234,9 +257,6 @@ class KvmeshConnector(KVConnectorBase_V1):
                 continue
             st.block_ids = list(new.block_ids[0])
             computed[new.req_id] = new.num_computed_tokens
-            if st.pending_load:
-                meta.loads[new.req_id] = st.pending_load
-            st.pending_load = None
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -245,9 +265,6 @@ class KvmeshConnector(KVConnectorBase_V1):
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 st.block_ids = list(new_ids[0]) if new_ids is not None else []
-                if st.pending_load:
-                    meta.loads[rid] = st.pending_load
-                st.pending_load = None
             elif new_ids is not None:
                 st.block_ids += new_ids[0]
             computed[rid] = cached.num_computed_tokens[i]
@@ -270,11 +287,17 @@ class KvmeshConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        st = self._reqs.pop(request.request_id, None)
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
         if st is not None and st.pending_load:
-            for ld in st.pending_load:  # allocated but never scheduled: give the pins back
+            for ld in st.pending_load:  # allocated but never handed out: give the pins back
                 if ld.view is not None:
                     self.hub.store.release_read(ld.block_hash)
+        with self.hub.lock:
+            if rid in self.hub.loading:
+                # A copy still writes into this request's blocks: vLLM frees them when it reports done.
+                self.hub.delay_free.add(rid)
+                return True, None
         return False, None
 
     # ---- worker role -------------------------------------------------------------------------------
@@ -286,15 +309,57 @@ class KvmeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvmeshConnectorMeta) or not meta.loads:
             return
+        if not self.hub.async_load:
+            self._copy_in(meta.loads)
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-connector-load")
+        # Copy in the background; vLLM keeps stepping the requests that are not waiting for these.
+        self._pool.submit(self._copy_async, dict(meta.loads))
+
+    def _copy_async(self, loads: dict[str, list[_Load]]) -> None:
+        try:
+            self._copy_in(loads)
+        except Exception:  # every block was already counted as loaded or as an error
+            log.exception("asynchronous KV load failed")
+        finally:
+            hub = self.hub
+            with hub.lock:
+                for rid in loads:
+                    hub.loading.discard(rid)
+                    if rid in hub.delay_free:
+                        hub.delay_free.discard(rid)
+                        hub.done_sending.add(rid)  # it ended meanwhile: its blocks may be freed now
+                    else:
+                        hub.done_recving.add(rid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        hub = self.hub
+        with hub.lock:
+            sending, hub.done_sending = hub.done_sending, set()
+            recving, hub.done_recving = hub.done_recving, set()
+        return (sending or None), (recving or None)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _copy_in(self, all_loads: dict[str, list[_Load]]) -> None:
+        """Store bytes → vLLM blocks; a block that cannot be copied is a load error (vLLM recomputes it)."""
         t0 = time.perf_counter()
         store = self.hub.store
         n_layers = len(self._layers)
         loaded = 0
+        errors = 0
         per_request: dict[str, int] = {}
-        for rid, loads in meta.loads.items():
+        for rid, loads in all_loads.items():
             for ld in loads:
                 if ld.view is None:
-                    self._load_errors.add(ld.block_id)
+                    self._add_error(ld.block_id)
+                    errors += 1
                     continue
                 try:
                     first = self._layers[0]
@@ -306,20 +371,21 @@ class KvmeshConnector(KVConnectorBase_V1):
                     per_request[external_id(rid)] = per_request.get(external_id(rid), 0) + 1
                 except (RuntimeError, ValueError):
                     log.exception("loading block %#x failed; vLLM recomputes it", ld.block_hash)
-                    self._load_errors.add(ld.block_id)
+                    self._add_error(ld.block_id)
+                    errors += 1
                 finally:
                     store.release_read(ld.block_hash)
         dt = time.perf_counter() - t0
         with self.hub.lock:
             s = self.hub.stats
             s.loaded_blocks += loaded
-            s.load_errors += sum(1 for loads in meta.loads.values() for ld in loads if ld.view is None)
+            s.load_errors += errors
             s.load_s += dt
             for rid, n in per_request.items():
                 s.loaded_by_request[rid] = s.loaded_by_request.get(rid, 0) + n
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv, before the forward
+        return None  # sync loads complete in start_load_kv; async ones gate the request, not a layer
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -343,6 +409,12 @@ class KvmeshConnector(KVConnectorBase_V1):
             self.hub.stats.saved_blocks += saved
             self.hub.stats.save_s += dt
 
+    def _add_error(self, block_id: int) -> None:
+        # Recorded before the request is reported done, so vLLM sees it no later than that pass.
+        with self.hub.lock:
+            self._load_errors.add(block_id)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
+        with self.hub.lock:
+            out, self._load_errors = self._load_errors, set()
         return out

@@ -142,12 +142,17 @@ def _peer_copy(eng: VllmEngine, hashes: list[int], ns: bytes) -> MemoryBlockStor
     return peer
 
 
-def test_blocks_fetched_from_a_peer_are_loaded_and_give_the_same_answer(engine: VllmEngine) -> None:
-    p1, p2 = _turns(engine, "peers")
-    _settle(engine)
+def _scenario(eng: VllmEngine, topic: str) -> tuple[list[int], list[int], MemoryBlockStore, list[int]]:
+    """Turn 2's prompt, turn 1's block hashes, a peer holding them, and turn 2's recompute-only answer."""
+    p1, p2 = _turns(eng, topic)
+    _settle(eng)
     hashes = block_hashes(p1, BS, NS_A)
-    peer = _peer_copy(engine, hashes, NS_A)
-    want = _reference(engine, "peers-ref", p2)
+    peer = _peer_copy(eng, hashes, NS_A)
+    return p2, hashes, peer, _reference(eng, f"{topic}-ref", p2)
+
+
+def test_blocks_fetched_from_a_peer_are_loaded_and_give_the_same_answer(engine: VllmEngine) -> None:
+    p2, hashes, peer, want = _scenario(engine, "peers")
 
     async def run() -> int:
         async with BlockServer(peer, secret=SECRET) as server:
@@ -161,11 +166,7 @@ def test_blocks_fetched_from_a_peer_are_loaded_and_give_the_same_answer(engine: 
 
 
 def test_another_tenant_fetches_nothing_and_recomputes(engine: VllmEngine) -> None:
-    p1, p2 = _turns(engine, "tenants")
-    _settle(engine)
-    hashes = block_hashes(p1, BS, NS_A)
-    peer = _peer_copy(engine, hashes, NS_A)
-    want = _reference(engine, "tenants-ref", p2)
+    p2, hashes, peer, want = _scenario(engine, "tenants")
 
     async def run() -> int:
         async with BlockServer(peer, secret=SECRET) as server:
@@ -180,12 +181,8 @@ def test_another_tenant_fetches_nothing_and_recomputes(engine: VllmEngine) -> No
 def test_corrupt_bytes_from_a_peer_stop_at_the_bad_block_and_the_rest_is_recomputed(
     engine: VllmEngine,
 ) -> None:
-    p1, p2 = _turns(engine, "corruption")
-    _settle(engine)
-    hashes = block_hashes(p1, BS, NS_A)
+    p2, hashes, peer, want = _scenario(engine, "corruption")
     assert len(hashes) >= 3
-    peer = _peer_copy(engine, hashes, NS_A)
-    want = _reference(engine, "corrupt-ref", p2)
     bad = 2  # blocks 0 and 1 arrive intact, block 2's bytes are flipped after the checksum
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -287,12 +284,8 @@ def test_a_peer_process_that_dies_mid_fetch_leaves_a_verified_prefix_and_the_sam
     import subprocess
     import sys
 
-    p1, p2 = _turns(engine, "dying")
-    _settle(engine)
-    hashes = block_hashes(p1, BS, NS_A)
+    p2, hashes, peer, want = _scenario(engine, "dying")
     assert len(hashes) >= 3
-    peer = _peer_copy(engine, hashes, NS_A)
-    want = _reference(engine, "dying-ref", p2)
     blob = tmp_path / "blocks.pkl"
     blob.write_bytes(pickle.dumps({h: peer.block_bytes(h) for h in hashes}))
     proc = subprocess.Popen(

@@ -243,10 +243,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         meta = KvmeshConnectorMeta()
         bs = self.bs
         # Loads allocated this step: scheduled now (sync) or parked until their copy is done (async).
-        for rid, st in self._reqs.items():
-            if st.pending_load:
-                meta.loads[rid] = st.pending_load
-                st.pending_load = None
+        for rid, state in self._reqs.items():
+            if state.pending_load:
+                meta.loads[rid] = state.pending_load
+                state.pending_load = None
         if self.hub.async_load and meta.loads:
             with self.hub.lock:
                 self.hub.loading.update(meta.loads)

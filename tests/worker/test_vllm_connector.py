@@ -303,3 +303,12 @@ def test_a_peer_process_that_dies_mid_fetch_leaves_a_verified_prefix_and_the_sam
     assert got == 2
     out, stats = _run(engine, "dying-t2", p2)
     assert stats.promoted_blocks == 2 and out == want
+
+
+def test_calibration_measures_the_connector_speed(engine: VllmEngine) -> None:
+    p = engine.calibrate(short=64, long=256, decode_ctx=64)
+    stats = engine.connector_stats
+    assert stats.saved_blocks > 0
+    assert p.dram_gbps == pytest.approx(engine.block_bytes * stats.saved_blocks / stats.save_s / 1e9)
+    assert p.dram_blocks == 512 and p.block_bytes == engine.block_bytes
+    assert engine.store is not None and engine.store.tier_usage()[1].free_blocks == 512  # nothing left over

@@ -623,10 +623,10 @@ class VllmEngine:
             link_latency_ms=1.0,
             block_bytes=self.block_bytes,
             block_size=bs,
-            dram_gbps=20.0,
+            dram_gbps=self._measured_dram_gbps(),
             gpu_blocks=self._num_blocks,
-            dram_blocks=0,
-            disk_blocks=0,
+            dram_blocks=self.cfg.dram_blocks if self.store is not None else 0,
+            disk_blocks=self.cfg.disk_blocks if self.store is not None else 0,
         )
 
     def reset_cache(self) -> list[KvEvent]:
@@ -642,6 +642,14 @@ class VllmEngine:
             if self.store is not None:
                 self.store.clear()
         return [KvEvent(worker_id=self.cfg.worker_id, kind="cleared", tier="gpu", block_hashes=[])]
+
+    def _measured_dram_gbps(self) -> float:
+        """How fast the connector moves a block between vLLM's pool and its DRAM tier, from the saves the
+        calibration prompts just made (the cost model prices promotions and fetches with it)."""
+        st = self.connector_stats
+        if st is None or st.saved_blocks == 0 or st.save_s <= 0:
+            return 20.0  # no connector: nothing moves, the figure is never used
+        return max(self.block_bytes * st.saved_blocks / st.save_s / 1e9, 0.1)
 
     # ---- shutdown -------------------------------------------------------------------------------
     def release_all(self) -> list[KvEvent]:

@@ -562,8 +562,3 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-# Kept under their old names for callers of this module.
-_calibration_lengths = calibration_lengths
-_fit_prefill_cost = fit_prefill_cost

@@ -69,10 +69,6 @@ def _reply_spec(reply_topic: str) -> topics.TopicSpec:
     return dataclasses.replace(topics.REPLIES, name=reply_topic)
 
 
-# Kept under its old name for code that imports it from here.
-_Running = RunningRequest
-
-
 class WorkerService:
     """One worker of the fleet. ``start()``/``stop()`` are safe to call twice; ``async with`` works."""
 

@@ -5,22 +5,23 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.costmodel import recompute_ms
-from services.worker.engine import Engine, EngineConfig, _fit_prefill_cost
+from services.worker.calibration import fit_prefill_cost
+from services.worker.engine import Engine, EngineConfig
 
 
 def test_fit_recovers_exact_coefficients() -> None:
     a, b = 0.05, 2e-4
     samples = [(n, n * (a + b * n / 2)) for n in (128, 256, 384, 512)]
-    fa, fb = _fit_prefill_cost(samples)
+    fa, fb = fit_prefill_cost(samples)
     assert fa == pytest.approx(a, rel=1e-6) and fb == pytest.approx(b, rel=1e-6)
 
 
 def test_noisy_samples_never_give_negative_or_zero_terms() -> None:
     # per-token cost that shrinks with length (a busy machine during the short runs)
-    a, b = _fit_prefill_cost([(128, 20.0), (256, 25.0), (512, 40.0)])
+    a, b = fit_prefill_cost([(128, 20.0), (256, 25.0), (512, 40.0)])
     assert a > 0 and b == 0.0
     # almost purely quadratic timings keep a real per-token term
-    a, b = _fit_prefill_cost([(128, 0.1), (256, 0.5), (512, 2.0)])
+    a, b = fit_prefill_cost([(128, 0.1), (256, 0.5), (512, 2.0)])
     assert a >= 0.5 * 0.1 / 128 and b > 0
 
 

@@ -73,3 +73,34 @@ def test_vllm_clearing_its_pool_keeps_what_the_store_has() -> None:
     assert _seen(v) == [("removed", "gpu", None, [1]), ("moved", "dram", "gpu", [2])]
     v.gpu_removed([99])  # unknown: nothing
     assert _seen(v) == []
+
+
+def test_raw_vllm_events_in_both_encodings_and_merged_records() -> None:
+    from services.worker.vllm_engine.engine import _event_fields, _merge
+
+    as_map = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [5],
+        "block_size": 32,
+    }
+    assert _event_fields(as_map) == ("BlockStored", as_map)
+    # vLLM before 0.10 sent events as tagged arrays
+    kind, fields = _event_fields(["BlockRemoved", [7, 8], "GPU"])
+    assert kind == "BlockRemoved" and fields == {"block_hashes": [7, 8], "medium": "GPU"}
+    assert _event_fields(42) == ("", {})
+    merged = _merge(
+        [
+            _ev("moved", "dram", [1], from_tier="gpu"),
+            _ev("moved", "dram", [2], from_tier="gpu"),
+            _ev("moved", "disk", [3], from_tier="dram"),
+            _ev("removed", "gpu", [4]),
+            _ev("removed", "gpu", [5]),
+        ]
+    )
+    assert [(e.kind, e.tier, e.from_tier, list(e.block_hashes), list(e.parent_hashes)) for e in merged] == [
+        ("moved", "dram", "gpu", [1, 2], [0, 1]),
+        ("moved", "disk", "dram", [3], [2]),
+        ("removed", "gpu", None, [4, 5], [3, 4]),
+    ]

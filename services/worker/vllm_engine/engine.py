@@ -456,56 +456,35 @@ class VllmEngine:
                     self.tiers.lower_event(kv)
             for batch in drained.batches:
                 for ev in batch[1]:
-                    for kv in self._convert(ev):
-                        if kv.kind == "stored":
-                            self.tiers.gpu_stored(list(kv.block_hashes), list(kv.parent_hashes))
-                        elif kv.kind == "removed":
-                            self.tiers.gpu_removed(list(kv.block_hashes))
-                        elif kv.kind == "cleared":
-                            self.tiers.gpu_cleared()
+                    self._apply_vllm_event(ev)
             out = self.tiers.drain()
             if drained.lost or self._reannounce:
                 self._reannounce = False
                 out += self._resync()
             return _merge(out)
 
-    def _convert(self, ev: Any) -> list[KvEvent]:
+    def _apply_vllm_event(self, ev: Any) -> None:
+        """One raw vLLM event: renamed by the bridge, then applied to the tier view (which emits)."""
         kind, fields = _event_fields(ev)
-        wid = self.cfg.worker_id
-        if kind == "BlockStored":
-            try:
+        try:
+            if kind == "BlockStored":
+                parent = fields.get("parent_block_hash")
                 stored = self.bridge.stored(
                     [int(h) for h in fields["block_hashes"]],
-                    None if fields.get("parent_block_hash") is None else int(fields["parent_block_hash"]),
+                    None if parent is None else int(parent),
                     fields["token_ids"],
                     int(fields["block_size"]),
                     fields.get("extra_keys"),
                 )
-            except (KeyError, TypeError, ValueError) as e:
-                log.warning("malformed BlockStored event skipped: %s", e)
-                return []
-            if not stored:
-                return []
-            return [
-                KvEvent(
-                    worker_id=wid,
-                    kind="stored",
-                    tier="gpu",
-                    block_hashes=[b.block_hash for b in stored],
-                    parent_hashes=[b.parent for b in stored],
-                )
-            ]
-        if kind == "BlockRemoved":
-            try:
-                gone = self.bridge.removed(int(h) for h in fields["block_hashes"])
-            except (KeyError, TypeError, ValueError) as e:
-                log.warning("malformed BlockRemoved event skipped: %s", e)
-                return []
-            return [KvEvent(worker_id=wid, kind="removed", tier="gpu", block_hashes=gone)] if gone else []
-        if kind == "AllBlocksCleared":
-            self.bridge.cleared()
-            return [KvEvent(worker_id=wid, kind="cleared", tier="gpu", block_hashes=[])]
-        return []
+                if stored:
+                    self.tiers.gpu_stored([b.block_hash for b in stored], [b.parent for b in stored])
+            elif kind == "BlockRemoved":
+                self.tiers.gpu_removed(self.bridge.removed(int(h) for h in fields["block_hashes"]))
+            elif kind == "AllBlocksCleared":
+                self.bridge.cleared()
+                self.tiers.gpu_cleared()
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("malformed vLLM %s event skipped: %s", kind or "KV", e)
 
     def _resync(self) -> list[KvEvent]:
         """After events were lost: keep only what vLLM really holds, then re-announce all of it."""
@@ -610,11 +589,6 @@ class VllmEngine:
         # vLLM's pool, the connector's store and the bridge, before the fleet hears of them.
         if not self._tracks:
             self.reset_cache()
-            time.sleep(0.05)  # vLLM's AllBlocksCleared and the removals before it
-            with self._events_lock:
-                self._events.drain()
-                self.bridge.cleared()
-                self.tiers.reset()
         return PerfProfile(
             prefill_ms_per_token=a,
             prefill_ms_per_token_per_ctx=b,
@@ -635,8 +609,9 @@ class VllmEngine:
         if self._tracks:
             raise RuntimeError("reset_cache while requests run")
         self._llm.reset_prefix_cache()
+        time.sleep(0.05)  # vLLM's publisher thread sends AllBlocksCleared and what came before it
         with self._events_lock:
-            self._events.drain()  # vLLM's AllBlocksCleared and anything before it
+            self._events.drain()  # all of it is void now
             self.bridge.cleared()
             self.tiers.reset()
             if self.store is not None:

@@ -194,6 +194,7 @@ class VllmEngine:
         self._pending: list[StepOutput] = []
         self._reannounce = False
         self._lock = threading.Lock()  # guards the load snapshot only
+        self._step_lock = threading.Lock()
         self._load = self._snapshot_load()
         self._events_lock = threading.Lock()  # drain and holdings may be asked from two tasks
         log.info("vLLM engine up: %s", self.describe())
@@ -353,6 +354,12 @@ class VllmEngine:
         return bool(self._pending) or bool(self._tracks) or self._llm.has_unfinished_requests()
 
     def step(self) -> list[StepOutput]:
+        # Held for the whole step: shutdown (release_all, from the event loop) waits for a step that
+        # is still running in the engine thread rather than stopping vLLM under it.
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[StepOutput]:
         out, self._pending = self._pending, []
         if not self._llm.has_unfinished_requests():
             # Nothing left in vLLM: a request we still track would otherwise wait (and spin the
@@ -629,6 +636,14 @@ class VllmEngine:
     # ---- shutdown -------------------------------------------------------------------------------
     def release_all(self) -> list[KvEvent]:
         """Abort everything, stop vLLM; the fleet is told every block of this worker is gone."""
+        got = self._step_lock.acquire(timeout=30.0)  # a step still running finishes first
+        try:
+            return self._release_all()
+        finally:
+            if got:
+                self._step_lock.release()
+
+    def _release_all(self) -> list[KvEvent]:
         for rid in list(self._tracks):
             with contextlib.suppress(Exception):
                 self._llm.abort_request([rid])

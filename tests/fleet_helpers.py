@@ -7,6 +7,7 @@ Imported as ``from fleet_helpers import ...`` (tests/ is on sys.path through its
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,9 @@ from kvmesh.tokenizer import ByteTokenizer
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import Assignment, ChatRequest, Estimate
 from streams.clock import now_ms
+from streams.consumer import TypedConsumer
+from streams.settings import KafkaSettings
+from streams.topics import TopicSpec
 
 TOK = ByteTokenizer()
 NS = tenant_namespace("acme")
@@ -61,3 +65,27 @@ async def wait_for(pred: Callable[[], Any], timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
         while not pred():
             await asyncio.sleep(0.05)
+
+
+def read_topic(
+    kafka: KafkaSettings, topic: TopicSpec, settle_s: float = 1.0, max_s: float = 15.0
+) -> list[Any]:
+    """Every message on ``topic`` so far: read from the beginning until it goes quiet for ``settle_s``
+    (or ``max_s`` passed: the load topic never goes quiet)."""
+
+    async def read() -> list[Any]:
+        c = TypedConsumer(kafka, [topic], group_id=None, from_beginning=True, dedup=False)
+        await c.start()
+        out: list[Any] = []
+        try:
+            quiet_since = start = time.monotonic()
+            while time.monotonic() - quiet_since < settle_s and time.monotonic() - start < max_s:
+                recs = await c.getmany(timeout_ms=200)
+                if recs:
+                    quiet_since = time.monotonic()
+                out += [r.message for r in recs]
+        finally:
+            await c.stop()
+        return out
+
+    return asyncio.run(read())

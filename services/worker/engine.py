@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,7 +36,7 @@ from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import KvEvent
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
-from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput
+from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.kv_layout import BlockLayout
@@ -206,22 +205,7 @@ class Engine:
         """Queue a request; raises RequestRejected when it can never run here."""
         bs = self.layout.block_size
         n = len(req.token_ids)
-        if n == 0:
-            raise RequestRejected(f"request {req.request_id}: empty prompt")
-        if req.block_size is not None and req.block_size != bs:
-            raise RequestRejected(
-                f"request {req.request_id}: block size {req.block_size} differs from this worker's {bs}"
-            )
-        if n >= self.max_context:
-            raise RequestRejected(
-                f"request {req.request_id}: prompt of {n} tokens does not fit the context of "
-                f"{self.max_context} tokens (room for at least one generated token is needed)"
-            )
-        if req.max_tokens < 1:
-            raise RequestRejected(f"request {req.request_id}: max_tokens must be at least 1")
-        ids = np.asarray(req.token_ids, dtype=np.int64)  # TokenIds: its packed buffer, no int walk
-        if int(ids.min()) < 0 or int(ids.max()) >= self.model_cfg.vocab_size:
-            raise RequestRejected(f"request {req.request_id}: token id outside the vocabulary")
+        ids = check_request(req, bs, self.max_context, self.model_cfg.vocab_size)
         if -(-(n + 1) // bs) > self.kv.pool.num_blocks:
             raise RequestRejected(
                 f"request {req.request_id}: prompt needs more KV blocks than the GPU tier has "

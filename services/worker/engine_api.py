@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from schemas.messages import KvEvent, SamplingParams, TierUsage
 from services.worker.errors import RequestRejected
 
@@ -43,6 +45,7 @@ __all__ = [
     "RequestStats",
     "StepOutput",
     "WorkerEngine",
+    "check_request",
 ]
 
 
@@ -62,6 +65,30 @@ class EngineRequest:
     expected_reuse_blocks: int = 0
     #: Block size the request's hashes were cut with; an engine of another size refuses the request.
     block_size: int | None = None
+
+
+def check_request(req: EngineRequest, block_size: int, max_context: int, vocab_size: int) -> np.ndarray:
+    """The checks every engine makes before it queues ``req``: its token ids as int64 if it can run,
+    else RequestRejected saying why (empty, other block size, too long, no room to generate, bad ids)."""
+    rid = req.request_id
+    n = len(req.token_ids)
+    if n == 0:
+        raise RequestRejected(f"request {rid}: empty prompt")
+    if req.block_size is not None and req.block_size != block_size:
+        raise RequestRejected(
+            f"request {rid}: block size {req.block_size} differs from this worker's {block_size}"
+        )
+    if n >= max_context:
+        raise RequestRejected(
+            f"request {rid}: prompt of {n} tokens does not fit the context of {max_context} tokens "
+            "(room for at least one generated token is needed)"
+        )
+    if req.max_tokens < 1:
+        raise RequestRejected(f"request {rid}: max_tokens must be at least 1")
+    ids = np.asarray(req.token_ids, dtype=np.int64)  # TokenIds: its packed buffer, no int walk
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise RequestRejected(f"request {rid}: token id outside the vocabulary")
+    return ids
 
 
 @dataclass

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from fleet_helpers import read_topic
 from vllm_helpers import llm_generate
 
 from kvmesh.devstack import DevStack, DevStackSettings
@@ -67,24 +68,7 @@ def _chat(stack: DevStack, user: str, messages: list[dict[str, str]]) -> dict:
 
 
 def _completions(stack: DevStack) -> dict[str, Completion]:
-    async def read() -> dict[str, Completion]:
-        c = TypedConsumer(stack.kafka, [topics.REPLIES], group_id=None, from_beginning=True, dedup=False)
-        await c.start()
-        out: dict[str, Completion] = {}
-        try:
-            quiet = time.monotonic()
-            while time.monotonic() - quiet < 1.0:
-                recs = await c.getmany(timeout_ms=200)
-                if recs:
-                    quiet = time.monotonic()
-                for r in recs:
-                    if isinstance(r.message, Completion):
-                        out[r.message.request_id] = r.message
-        finally:
-            await c.stop()
-        return out
-
-    return asyncio.run(read())
+    return {m.request_id: m for m in read_topic(stack.kafka, topics.REPLIES) if isinstance(m, Completion)}
 
 
 def _conversation(i: int) -> list[dict[str, str]]:

@@ -24,6 +24,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from fleet_helpers import read_topic
+
 from kvmesh.devstack import DevStack, DevStackSettings
 from kvmesh.modeldir import init_model_dir
 from kvmesh.tokenizer import ChatMessage, HFTokenizer, render_chat
@@ -32,7 +34,6 @@ from schemas.messages import Completion, KvEvent, LoadReport
 from services.scheduler.view import FleetView
 from streams import topics
 from streams.client import KvmeshClient
-from streams.consumer import TypedConsumer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -77,40 +78,20 @@ def _chat(stack: DevStack, key: str, messages: list[dict[str, str]], max_tokens:
     return r.json()
 
 
-async def _topic(
-    stack: DevStack, topic: topics.TopicSpec, settle_s: float = 1.0, max_s: float = 15.0
-) -> list:
-    """Every message on ``topic`` so far: read from the beginning until it goes quiet (or ``max_s``: the
-    load topic never does)."""
-    c = TypedConsumer(stack.kafka, [topic], group_id=None, from_beginning=True, dedup=False)
-    await c.start()
-    out = []
-    try:
-        quiet_since = start = time.monotonic()
-        while time.monotonic() - quiet_since < settle_s and time.monotonic() - start < max_s:
-            recs = await c.getmany(timeout_ms=200)
-            if recs:
-                quiet_since = time.monotonic()
-            out += [r.message for r in recs]
-    finally:
-        await c.stop()
-    return out
-
-
 def _index(stack: DevStack) -> FleetView:
     """The scheduler's index as the scheduler builds it: its FleetView fed the kv-events and load topics."""
     view = FleetView(BS)
-    for m in asyncio.run(_topic(stack, topics.LOAD, 0.5, max_s=3.0)):
+    for m in read_topic(stack.kafka, topics.LOAD, 0.5, max_s=3.0):
         if isinstance(m, LoadReport):
             view.apply_load(m)
-    for m in asyncio.run(_topic(stack, topics.KV_EVENTS)):
+    for m in read_topic(stack.kafka, topics.KV_EVENTS):
         if isinstance(m, KvEvent):
             view.apply_kv_event(m)
     return view
 
 
 def _completion(stack: DevStack, request_id: str) -> Completion:
-    for m in asyncio.run(_topic(stack, topics.REPLIES, 0.5)):
+    for m in read_topic(stack.kafka, topics.REPLIES, 0.5):
         if isinstance(m, Completion) and m.request_id == request_id:
             return m
     raise AssertionError(f"no Completion for {request_id}")
@@ -219,7 +200,7 @@ def test_streaming_sampling_and_a_client_disconnect_that_aborts_in_vllm(stack: D
     while True:
         done = [
             m
-            for m in asyncio.run(_topic(stack, topics.REPLIES, 0.5))
+            for m in read_topic(stack.kafka, topics.REPLIES, 0.5)
             if isinstance(m, Completion) and m.request_id == rid
         ]
         if done or time.monotonic() > deadline:

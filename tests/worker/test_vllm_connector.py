@@ -25,7 +25,7 @@ from services.worker.transfer.frames import REQUEST_PREFIX, BlockRequest, Status
 from services.worker.transfer.memory import MemoryBlockStore
 from services.worker.vllm_engine import VllmEngine, VllmEngineConfig
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]  # a real vLLM, no broker or Redis
 
 BS = 32
 NS_A = tenant_namespace("A")

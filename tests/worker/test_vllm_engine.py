@@ -25,7 +25,7 @@ from services.worker.engine_api import EngineRequest, StepOutput
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.vllm_engine import VllmEngine, VllmEngineConfig, check_block_size
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]  # a real vLLM, no broker or Redis
 
 BS = 32
 CTX = 1024

@@ -46,7 +46,7 @@ from kvmesh.costmodel import PerfProfile
 from kvmesh.tokenizer import HFTokenizer
 from schemas.messages import KvEvent, TierUsage
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
-from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput
+from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.vllm_engine.event_subscriber import EventSubscriber
@@ -299,22 +299,7 @@ class VllmEngine:
 
         rid = req.request_id
         n = len(req.token_ids)
-        if n == 0:
-            raise RequestRejected(f"request {rid}: empty prompt")
-        if req.block_size is not None and req.block_size != self.block_size:
-            raise RequestRejected(
-                f"request {rid}: block size {req.block_size} differs from this worker's {self.block_size}"
-            )
-        if n >= self.max_context:
-            raise RequestRejected(
-                f"request {rid}: prompt of {n} tokens does not fit the context of {self.max_context} "
-                "tokens (room for at least one generated token is needed)"
-            )
-        if req.max_tokens < 1:
-            raise RequestRejected(f"request {rid}: max_tokens must be at least 1")
-        ids = np.asarray(req.token_ids, dtype=np.int64)
-        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise RequestRejected(f"request {rid}: token id outside the vocabulary")
+        ids = check_request(req, self.block_size, self.max_context, self.vocab_size)
         if rid in self._tracks:
             raise RequestRejected(f"request {rid} is already queued")
         s = req.sampling

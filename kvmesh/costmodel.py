@@ -90,6 +90,25 @@ def recompute_ms(p: PerfProfile, new_tokens: int, cached_tokens: int = 0) -> flo
     return new_tokens * (p.prefill_ms_per_token + p.prefill_ms_per_token_per_ctx * mean_ctx)
 
 
+def prefill_ctx(new_tokens: int, cached_tokens: int = 0) -> float:
+    """The context term of one prefill: ``new_tokens`` times the mean context each attends to.
+
+    Summed over a queue, it prices the queue exactly: ``queued_prefill_ms(p, sum(new), sum(ctx))``
+    equals the sum of ``recompute_ms`` over the queued prompts.
+    """
+    if new_tokens <= 0:
+        return 0.0
+    return new_tokens * (cached_tokens + new_tokens / 2.0)
+
+
+def queued_prefill_ms(p: PerfProfile, new_tokens: int, ctx_tokens: float) -> float:
+    """Prefill time of a queue of prompts: ``new_tokens`` in all, ``ctx_tokens`` = their summed
+    :func:`prefill_ctx`."""
+    if new_tokens <= 0:
+        return 0.0
+    return new_tokens * p.prefill_ms_per_token + ctx_tokens * p.prefill_ms_per_token_per_ctx
+
+
 def transfer_ms(
     p: PerfProfile, n_blocks: int, link_gbps: float | None = None, latency_ms: float | None = None
 ) -> float:

@@ -264,6 +264,10 @@ class LoadReport:
     # in place).
     engine: str = "builtin"
     peer_transfer: bool = True
+    # The attention part of the queued prefill: the sum over queued prompts of new tokens x (tokens
+    # already before them + half the new ones), so the scheduler prices the queue as recompute_ms does
+    # (kvmesh.costmodel.prefill_ctx). 0: not reported; the scheduler then assumes no cached context.
+    queued_prefill_ctx_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """``kvmesh bench fleet``: one workload against the live pipeline under every routing policy.
 
     kvmesh bench fleet [--workload multiturn|shared-prefix|trace] [--trace FILE --token-scale 1/32]
-        [--policies round_robin,least_loaded,session_affinity,prefix_aware,kvmesh] [--workers 2]
+        [--policies round_robin,...,dynamo,llm_d,sglang,kvmesh (every policy)] [--workers 2]
         [--users 4 --rounds 3 ...] [--time-scale X] [--max-requests K] [--plot DIR] [--json]
     kvmesh bench fleet --bootstrap HOST:PORT | --url http://HOST:PORT   (an existing stack: one policy)
 

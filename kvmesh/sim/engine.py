@@ -8,8 +8,14 @@ Message flow (the same as live, minus Kafka)::
 
 The router is the scheduler's own code (``services.scheduler.router.Router`` over
 ``services.scheduler.view.FleetView``), called with ``now_ms`` = the simulated time of the decision,
-which for a first attempt is the request's ``arrival_ms`` -- what the live scheduler passes. A deferred
-request is retried every ``retry_ms``; a rejected one is counted and dropped.
+which for a first attempt is the request's ``arrival_ms`` -- what the live scheduler passes. Requests go
+through the live scheduler's FairDispatcher: when the fleet holds (the head request is deferred) the
+held requests wait in it and one retry tick every ``retry_ms`` drains it again, as the live loop does
+(so an overloaded run costs one decision per tick, not one per held request per tick); a rejected
+request is counted and dropped.
+
+The engine runs at the *truth* (:mod:`kvmesh.sim.truth`): the published profile times the truth's
+factors. Workers publish the profile, so policies never see the truth except through what they observe.
 
 Workers report after every iteration and, when quiet, every ``heartbeat_ms`` (so the view keeps
 them live). The view is built only from delivered messages, so it lags the truth by ``lag_ms``; a
@@ -28,8 +34,10 @@ from kvmesh.sim.cache import FleetHolders
 from kvmesh.sim.errors import SimError
 from kvmesh.sim.events import EventQueue
 from kvmesh.sim.metrics import RequestRecord, summarize
+from kvmesh.sim.truth import TruthScale
 from kvmesh.sim.worker import Job, SimWorker
 from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
+from services.scheduler.fairness import FairDispatcher
 from services.scheduler.router import POLICIES, Router, RouterSettings
 from services.scheduler.view import FleetView, ViewSettings
 from streams.topics import ASSIGNMENTS, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
@@ -71,6 +79,8 @@ class SimConfig:
     fleet_aware_eviction: bool = True
     router: dict[str, Any] = field(default_factory=dict)
     view: ViewSettings = field(default_factory=ViewSettings)
+    truth: TruthScale = field(default_factory=TruthScale)  # the engine's real speed vs the published
+    quantum_tokens: int = 4096  # the FairDispatcher's per-tenant quantum (SchedulerSettings' default)
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 16384:
@@ -111,6 +121,8 @@ class Simulation:
         self.view = FleetView(config.block_size, config.view)
         settings = RouterSettings(policy=config.policy, **config.router)
         self.router = Router(self.view, settings, scheduler_id="sim-scheduler")
+        self.dispatcher = FairDispatcher(self.router, config.quantum_tokens)
+        self._retry_due = False
         self.queue = EventQueue()
         self.peers: dict[str, SimWorker] = {}
         width = len(str(config.workers - 1))
@@ -125,6 +137,7 @@ class Simulation:
                 self.peers,
                 config.overlap_fetch,
                 fleet,
+                config.truth,
             )
             for i in range(config.workers)
         ]
@@ -147,21 +160,27 @@ class Simulation:
     def _schedule(self, at_ms: float, worker: SimWorker, job: Job | None) -> None:
         self.queue.push(at_ms, _WORKER, (worker, worker.gen if job is None else -1, job))
 
-    def _decide(self, req: ChatRequest, now: float, first: bool = True) -> None:
+    def _arrive(self, req: ChatRequest, now: float) -> None:
+        if self.tap is not None:
+            self.tap(REQUESTS, req, now)
+        self.dispatcher.submit(req)
+        self._drain(now)
+
+    def _drain(self, now: float) -> None:
+        """Decide what the dispatcher can place now; while anything is held, keep one retry tick due."""
         tap = self.tap
-        if tap is not None and first:
-            tap(REQUESTS, req, now)
-        decision = self.router.decide(req, int(now))
-        a = decision.assignment
-        if a is not None:
-            if tap is not None:
-                tap(ASSIGNMENTS, a, now)
-            self.peers[a.worker_id].assign(a, req.arrival_ms, now)
-        elif decision.deferred:
+        for decision in self.dispatcher.drain(int(now)):
+            a = decision.assignment
+            if a is not None:
+                if tap is not None:
+                    tap(ASSIGNMENTS, a, now)
+                self.peers[a.worker_id].assign(a, a.request.arrival_ms, now)
+            else:
+                self.rejected += 1
+        if len(self.dispatcher) and not self._retry_due:
+            self._retry_due = True
             self.deferrals += 1
-            self.queue.push(now + self.config.retry_ms, _RETRY, req)
-        else:
-            self.rejected += 1
+            self.queue.push(now + self.config.retry_ms, _RETRY, None)
 
     def run(
         self, requests: Iterable[ChatRequest], progress: Callable[[int], None] | None = None
@@ -211,9 +230,10 @@ class Simulation:
                         raise SimError(f"requests out of arrival order at {nxt.request_id}")
                     last_arrival = float(nxt.arrival_ms)
                     q.push(last_arrival, _ARRIVE, nxt)
-                self._decide(payload, now)
+                self._arrive(payload, now)
             elif kind == _RETRY:
-                self._decide(payload, now, first=False)
+                self._retry_due = False
+                self._drain(now)
             elif kind == _HEARTBEAT:
                 quiet = now - self.config.heartbeat_ms
                 sent = 0

@@ -10,6 +10,8 @@ Definitions (every figure is computed over completed requests unless it says oth
 * ``busy_fraction`` per worker -- time the worker spent in iterations / the run's makespan (first
   arrival to last completion). ``busy_fraction_spread`` = max - min over workers in percentage points;
   ``busy_fraction_spread_p90_p10`` = p90 - p10, also in points (less sensitive to one outlier).
+* ``prediction_ratio_p10/p50/p90`` -- percentiles over requests of the policy's TTFT estimate at the
+  decision over the TTFT the engine gave from that decision on (1 = exact; < 1 = optimistic).
 * ``throughput_rps`` / ``output_tokens_per_s`` -- completed requests / output tokens per makespan second.
 """
 
@@ -34,6 +36,8 @@ class RequestRecord:
     fetched_tokens: int
     recomputed_tokens: int
     output_tokens: int
+    decided_ms: float = 0.0  # when the scheduler assigned it
+    predicted_ms: float = 0.0  # the scheduler's TTFT estimate at that moment (0: none)
 
 
 def _pct(values: np.ndarray, q: float) -> float:
@@ -60,6 +64,7 @@ def summarize(
     fetched = sum(r.fetched_tokens for r in records)
     recomputed = sum(r.recomputed_tokens for r in records)
     out_tokens = sum(r.output_tokens for r in records)
+    pred = prediction_ratios(records)
     makespan_ms = float(done.max() - arrival.min()) if n else 0.0
     busy = np.asarray(busy_ms, dtype=float) / makespan_ms if makespan_ms > 0 else np.zeros(len(busy_ms))
     busy = np.minimum(busy, 1.0)
@@ -91,7 +96,24 @@ def summarize(
         "busy_fraction_mean": float(busy.mean()) if busy.size else 0.0,
         "busy_fraction_spread": float(100.0 * (busy.max() - busy.min())) if busy.size else 0.0,
         "busy_fraction_spread_p90_p10": float(100.0 * (_pct(busy, 90) - _pct(busy, 10))),
+        "prediction_ratio_p10": _pct(pred, 10),
+        "prediction_ratio_p50": _pct(pred, 50),
+        "prediction_ratio_p90": _pct(pred, 90),
     }
+
+
+def prediction_ratios(records: list[RequestRecord]) -> np.ndarray:
+    """Per request: the TTFT the policy predicted when it decided, over the TTFT the engine then gave
+    from that moment (1 = exact, < 1 = optimistic). Requests without an estimate are left out."""
+    pairs = [
+        (r.predicted_ms, r.first_token_ms - r.decided_ms)
+        for r in records
+        if r.predicted_ms > 0 and r.first_token_ms > r.decided_ms
+    ]
+    if not pairs:
+        return np.zeros(0)
+    a = np.asarray(pairs, dtype=float)
+    return a[:, 0] / a[:, 1]
 
 
 def ttft_seconds(records: list[RequestRecord]) -> np.ndarray:

@@ -92,25 +92,33 @@ def _shade_spans(scales: list[float], met: list[float]) -> list[tuple[float, flo
 
 
 def plot_time_scale_sweep(sweep: list[dict[str, Any]], met: list[float], path: Path) -> Path:
-    """TTFT p50 per policy against time scale (log y), the scales where issue #8's goal holds shaded.
+    """TTFT p50 and p99 per policy against time scale (log y), the bound dashed, the scales where the
+    goal holds shaded.
 
-    ``sweep`` rows are ``{"time_scale": x, "policies": {name: summary}}`` as ``--time-scales`` emits.
+    ``sweep`` rows are ``{"time_scale": x, "policies": {name: summary}, "bound": {...}}`` as
+    ``--time-scales`` emits (rows without ``bound`` draw no bound line).
     """
     rows = sorted(sweep, key=lambda r: r["time_scale"])
     scales = [float(r["time_scale"]) for r in rows]
     policies = list(rows[0]["policies"]) if rows else []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for k, (left, right) in enumerate(_shade_spans(scales, met)):
-        ax.axvspan(left, right, color="tab:green", alpha=0.15, label="goal met" if k == 0 else None)
-    for policy in policies:
-        p50 = [max(float(r["policies"][policy]["ttft_p50_s"]), 1e-4) for r in rows]
-        ax.plot(scales, p50, marker="o", label=policy)
-    ax.set_yscale("log")
-    ax.set_xlabel("time scale (trace timestamps x scale; lower = more load)")
-    ax.set_ylabel("TTFT p50 (s)")
-    ax.set_xticks(scales, [f"{x:g}" for x in scales])
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True)
+    for ax, key, label in zip(
+        axes, ("ttft_p50_s", "ttft_p99_s"), ("TTFT p50 (s)", "TTFT p99 (s)"), strict=True
+    ):
+        for k, (left, right) in enumerate(_shade_spans(scales, met)):
+            ax.axvspan(left, right, color="tab:green", alpha=0.15, label="goal met" if k == 0 else None)
+        for policy in policies:
+            ys = [max(float(r["policies"][policy][key]), 1e-4) for r in rows]
+            ax.plot(scales, ys, marker="o", label=policy, linewidth=2.2 if policy == "kvmesh" else 1.2)
+        if rows and all("bound" in r for r in rows):
+            ys = [max(float(r["bound"][key]), 1e-4) for r in rows]
+            ax.plot(scales, ys, color="black", linestyle="--", label="bound (no queue, every prefix cached)")
+        ax.set_yscale("log")
+        ax.set_xlabel("time scale (trace timestamps x scale; lower = more load)")
+        ax.set_ylabel(label)
+        ax.set_xticks(scales, [f"{x:g}" for x in scales])
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -27,9 +27,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.costmodel import PerfProfile, decode_ms, promote_ms, recompute_ms, transfer_ms
+from kvmesh.costmodel import PerfProfile, decode_ms, prefill_ctx, promote_ms, recompute_ms, transfer_ms
 from kvmesh.sim.cache import Change, FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
+from kvmesh.sim.truth import TruthScale
 from schemas.messages import (
     TIERS,
     Assignment,
@@ -57,6 +58,9 @@ class Job:
     fetch: list[FetchPlan]
     arrival_ms: float
     queued_tokens: int  # the scheduler's prefill estimate, published as queued work until prefill starts
+    queued_ctx: float = 0.0  # prefill_ctx of that estimate (published with it)
+    decided_ms: float = 0.0  # when the scheduler assigned it
+    predicted_ms: float = 0.0  # the scheduler's TTFT estimate from ``decided_ms``
     prompt_tokens: int = 0
     remaining: int = 0
     first_token_ms: float = -1.0
@@ -88,11 +92,15 @@ class SimWorker:
         peers: dict[str, SimWorker],
         overlap_fetch: bool = False,
         fleet: FleetHolders | None = None,
+        truth: TruthScale | None = None,
     ) -> None:
         self.index = index
         self.worker_id = worker_id
         self.address = f"sim://{worker_id}"
+        # what the worker publishes (every policy sees only this) and what its engine really runs at
         self.profile = profile
+        self.truth = truth or TruthScale()
+        self.real = self.truth.apply(profile)
         self.peers = peers  # every worker of the fleet by id (a shared dict), for fetches
         # fleet: the holder counts shared by every worker's cache (fleet-aware eviction); None: LRU
         self.cache = TieredCache(profile.gpu_blocks, profile.dram_blocks, profile.disk_blocks, fleet)
@@ -111,6 +119,7 @@ class SimWorker:
         self._prefilling: Job | None = None
         self._prefill_start = 0.0
         self._queued_tokens = 0
+        self._queued_ctx = 0.0
         self._active_tokens = 0
         self._run_start = 0.0  # start of a decode-only run, and its planned steps (0: not in one)
         self._run_steps = 0
@@ -127,6 +136,7 @@ class SimWorker:
             if cache.capacity(i) > 0
         ]
         queued = self._queued_tokens
+        queued_ctx = self._queued_ctx
         depth = len(self._queue)
         job = self._prefilling
         if job is not None and self.busy_until > now_ms:
@@ -134,6 +144,7 @@ class SimWorker:
             span = self.busy_until - self._prefill_start
             left = (self.busy_until - now_ms) / span if span > 0 else 0.0
             queued += int(job.recomputed_tokens * left)
+            queued_ctx += prefill_ctx(job.recomputed_tokens, job.prompt_tokens - job.recomputed_tokens) * left
             depth += 1
         self.last_report_ms = now_ms
         lr = LoadReport(
@@ -143,6 +154,7 @@ class SimWorker:
             active_requests=len(self._decoding) + depth,
             active_tokens=self._active_tokens,
             queued_prefill_tokens=queued,
+            queued_prefill_ctx_tokens=queued_ctx,
             tiers=tiers,
             transfer_address=self.address,
             block_size=p.block_size,
@@ -166,8 +178,17 @@ class SimWorker:
         No LoadReport here: the scheduler's view counts its own assignment as pending until a report
         newer than it arrives.
         """
-        job = Job(assignment.request, assignment.fetch, arrival_ms, max(assignment.prefill_tokens, 0))
+        job = Job(
+            assignment.request,
+            assignment.fetch,
+            arrival_ms,
+            max(assignment.prefill_tokens, 0),
+            decided_ms=now_ms,
+            predicted_ms=assignment.estimate.ttft_ms if assignment.estimate is not None else 0.0,
+        )
+        job.queued_ctx = prefill_ctx(job.queued_tokens, len(job.request.token_ids) - job.queued_tokens)
         self._queued_tokens += job.queued_tokens
+        self._queued_ctx += job.queued_ctx
         if job.fetch:
             done = self._plan_fetch(job, now_ms)
             if done is not None:
@@ -201,8 +222,8 @@ class SimWorker:
                 got += 1
             if got:
                 # the peer reads, the link carries; promotion of the landed blocks is paid at prefill
-                pp = peer.profile
-                cost += transfer_ms(self.profile, got, pp.link_gbps, pp.link_latency_ms)
+                pp = peer.real
+                cost += transfer_ms(self.real, got, pp.link_gbps, pp.link_latency_ms)
                 cost += promote_ms(pp, TIERS[1], lower[1]) + promote_ms(pp, TIERS[2], lower[2])
                 have += got
             if have < end:
@@ -240,7 +261,7 @@ class SimWorker:
             return
         if self._run_steps:
             # Cut a decode-only run at the next step boundary so the new prefill starts there.
-            step = self.profile.decode_ms_per_step
+            step = self.real.decode_ms_per_step
             done = int((now_ms - self._run_start) // step) + 1
             if done < self._run_steps:
                 self.busy_ms -= (self._run_steps - done) * step
@@ -271,14 +292,15 @@ class SimWorker:
                 break
         if job is not None:
             self._queued_tokens -= job.queued_tokens
+            self._queued_ctx = max(self._queued_ctx - job.queued_ctx, 0.0)
             duration = self._serve(job)
             if self._decoding:
-                duration += self.profile.decode_ms_per_step
+                duration += self.real.decode_ms_per_step
             self._prefilling = job
             self._prefill_start = now_ms
         elif self._decoding:
             steps = min(j.remaining for j in self._decoding)
-            duration = decode_ms(self.profile, steps)
+            duration = decode_ms(self.real, steps)
             self._run_start, self._run_steps = now_ms, steps
         else:
             return
@@ -289,7 +311,7 @@ class SimWorker:
 
     def _serve(self, job: Job) -> float:
         """Plan ``job``'s prompt against the real caches; return the prefill iteration's length."""
-        p = self.profile
+        p = self.real
         bs = p.block_size
         hashes = int_list(job.request.block_hashes)
         n_tok = len(job.request.token_ids)
@@ -308,7 +330,9 @@ class SimWorker:
         job.fetched_tokens = min(n, job.fetched_blocks) * bs
         job.reused_tokens = n * bs - job.fetched_tokens
         job.recomputed_tokens = new_tokens
-        job.prefill_ms = recompute_ms(p, new_tokens, cached_tokens)
+        job.prefill_ms = recompute_ms(p, new_tokens, cached_tokens) * self.truth.prefill_noise(
+            job.request.request_id
+        )
         return cost + job.prefill_ms
 
     def _finish_prefill(self, job: Job, now_ms: float) -> None:
@@ -358,6 +382,8 @@ class SimWorker:
                 job.fetched_tokens,
                 job.recomputed_tokens,
                 req.max_tokens,
+                job.decided_ms,
+                job.predicted_ms,
             )
         )
         self._emit(

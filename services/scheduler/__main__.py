@@ -12,7 +12,7 @@ from typing import Any
 
 from kvmesh.runtime import tune_gc
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.policies import POLICIES
+from services.scheduler.registry import POLICIES
 from services.scheduler.service import SchedulerService
 
 

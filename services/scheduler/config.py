@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.scheduler.policies import POLICIES
+from services.scheduler.registry import POLICIES
 from services.scheduler.router import RouterSettings
 from services.scheduler.view import ViewSettings
 from streams.settings import KafkaSettings, RedisSettings

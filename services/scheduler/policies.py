@@ -10,12 +10,19 @@ Every policy returns scored candidates, the chosen one first. Scores come from o
                                 blocks; kvmesh.costmodel.fetch_ms)
          + recompute           (every token after the reused/fetched blocks)
 
-``kvmesh`` picks the least ttft (ties by the active tokens of the worker's report, then id).
-Baselines: ``round_robin``, ``least_loaded``, ``session_affinity``
-(sticky per session) and ``prefix_aware`` (most cached blocks, ties by load: SGLang/Dynamo style); they
-never plan peer fetches. Because the queue estimate includes pending work, an overloaded fleet does not
-recompute a shared prefix everywhere: moving a request off a busy holder only wins when the saved wait
-exceeds the recompute (or fetch) it costs.
+``kvmesh`` picks the least ttft plus the work it adds to the fleet (below), ties by the active tokens
+of the worker's report, then id. Baselines: ``round_robin``, ``least_loaded``, ``session_affinity``
+(sticky per session) and ``prefix_aware`` (most cached blocks, ties by load); they never plan peer
+fetches. The peers' routers are in :mod:`services.scheduler.peer_policies`, every policy by name in
+:mod:`services.scheduler.registry`.
+
+Because the queue estimate includes pending work, an overloaded fleet does not recompute a shared
+prefix everywhere: moving a request off a busy holder only wins when the saved wait exceeds the
+recompute (or fetch) it costs. Under load that greedy rule still undercounts: the extra prefill a
+choice causes (its recompute and transfer beyond the cheapest candidate's) also delays every request
+that will queue behind it. So each candidate pays that extra work once more per request queued on an
+average candidate (reports' queue depth plus the router's own pending assignments), the M/G/1
+externality of a job's service time. Idle fleets have no queue, and the rule is then pure TTFT.
 
 Candidates are the live workers holding a leading block of the prompt plus the ``k`` least loaded live
 workers: any other worker holds nothing of the prompt, so it cannot beat the least loaded of those
@@ -24,7 +31,6 @@ workers: any other worker holds nothing of the prompt, so it cannot beat the lea
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.costmodel import fetch_ms, promote_ms, recompute_ms
@@ -55,7 +61,7 @@ class ScoringParams:
 
 
 @dataclass(slots=True)
-class _Holder:
+class Holder:
     ws: WorkerState
     counts: list[int]  # [leading blocks, in gpu, in dram, in disk]
 
@@ -70,7 +76,7 @@ def _is_live(view: FleetView, ws: WorkerState, now_ms: int, model: str, as_sourc
     )
 
 
-def _holders(view: FleetView, req: ChatRequest, now_ms: int, as_source: bool = False) -> list[_Holder]:
+def holders(view: FleetView, req: ChatRequest, now_ms: int, as_source: bool = False) -> list[Holder]:
     """Live workers holding ≥ 1 leading block of the prompt, longest prefix first (ties by id).
 
     With ``as_source``, draining workers are included (as peers to fetch from, never as candidates).
@@ -79,11 +85,11 @@ def _holders(view: FleetView, req: ChatRequest, now_ms: int, as_source: bool = F
         return []
     index = view.index
     workers = view.workers
-    out: list[_Holder] = []
+    out: list[Holder] = []
     for w, counts in index.match_codes(req.block_hashes).items():
         ws = workers.get(index.worker_name(w))
         if ws is not None and _is_live(view, ws, now_ms, req.model, as_source):
-            out.append(_Holder(ws, counts))
+            out.append(Holder(ws, counts))
     out.sort(key=lambda h: (-h.counts[0], h.ws.worker_id))
     return out
 
@@ -106,7 +112,7 @@ def score_worker(
     req: ChatRequest,
     now_ms: int,
     local: list[int] | None,
-    peer: _Holder | None,
+    peer: Holder | None,
     fetch_min_blocks: int,
 ) -> CandidateScore:
     """Price ``req`` on ``ws``: reuse ``local`` blocks, maybe fetch the rest of ``peer``'s prefix."""
@@ -155,18 +161,18 @@ def score_worker(
     )
 
 
-def _score_set(
+def score_set(
     view: FleetView,
     req: ChatRequest,
     now_ms: int,
     ids: list[str],
-    holders: list[_Holder],
+    found: list[Holder],
     params: ScoringParams,
     allow_fetch: bool,
 ) -> list[CandidateScore]:
-    by_id = {h.ws.worker_id: h for h in holders}
-    best = holders[0] if holders else None
-    second = holders[1] if len(holders) > 1 else None
+    by_id = {h.ws.worker_id: h for h in found}
+    best = found[0] if found else None
+    second = found[1] if len(found) > 1 else None
     out = []
     for w in ids:
         h = by_id.get(w)
@@ -191,14 +197,23 @@ def kvmesh(
     view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
 ) -> list[CandidateScore]:
     """Least estimated time to first token, counting queue, promotion, peer fetch and recompute."""
-    holders = _holders(view, req, now_ms, as_source=True)
-    ids = {h.ws.worker_id for h in holders if not h.ws.report.draining}
+    found = holders(view, req, now_ms, as_source=True)
+    ids = {h.ws.worker_id for h in found if not h.ws.report.draining}
     ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
-    out = _score_set(view, req, now_ms, sorted(ids), holders, params, allow_fetch=True)
+    out = score_set(view, req, now_ms, sorted(ids), found, params, allow_fetch=True)
     workers = view.workers
+    # the work a choice adds beyond the cheapest candidate delays the requests that will queue behind
+    # it; as many will as now wait on an average candidate (see the module docstring)
+    depth = sum(workers[c.worker_id].report.queue_depth + len(workers[c.worker_id].pending) for c in out)
+    behind = depth / len(out)
+    least_work = min(c.recompute_ms + c.transfer_ms for c in out)
+
+    def cost(c: CandidateScore) -> float:
+        return c.ttft_ms + behind * (c.recompute_ms + c.transfer_ms - least_work)
+
     # equal estimates (common: idle or one decode step, nothing cached) go to the smaller decode
     # batch, which frees up sooner, rather than always to the lowest id
-    out.sort(key=lambda c: (c.ttft_ms, workers[c.worker_id].report.active_tokens, c.worker_id))
+    out.sort(key=lambda c: (cost(c), workers[c.worker_id].report.active_tokens, c.worker_id))
     return out
 
 
@@ -206,10 +221,10 @@ def prefix_aware(
     view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
 ) -> list[CandidateScore]:
     """Most cached leading blocks; ties (including none cached) by queue wait, then worker id."""
-    holders = _holders(view, req, now_ms)
-    ids = {h.ws.worker_id for h in holders}
+    found = holders(view, req, now_ms)
+    ids = {h.ws.worker_id for h in found}
     ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
-    out = _score_set(view, req, now_ms, sorted(ids), holders, params, allow_fetch=False)
+    out = score_set(view, req, now_ms, sorted(ids), found, params, allow_fetch=False)
     out.sort(key=lambda c: (-c.cached_blocks, c.queue_ms, c.worker_id))
     return out
 
@@ -219,7 +234,7 @@ def least_loaded(
 ) -> list[CandidateScore]:
     """Least queue wait, blind to the cache (ties by worker id)."""
     ids = least_loaded_workers(view, live, params.least_loaded_k, now_ms)
-    out = _score_set(view, req, now_ms, ids, _holders(view, req, now_ms), params, allow_fetch=False)
+    out = score_set(view, req, now_ms, ids, holders(view, req, now_ms), params, allow_fetch=False)
     out.sort(key=lambda c: (c.queue_ms, c.worker_id))
     return out
 
@@ -229,7 +244,7 @@ def round_robin(
 ) -> list[CandidateScore]:
     """The next live worker in id order after the previous assignment (counted by the view)."""
     w = live[view.assignments_noted % len(live)]
-    return _score_set(view, req, now_ms, [w], _holders(view, req, now_ms), params, allow_fetch=False)
+    return score_set(view, req, now_ms, [w], holders(view, req, now_ms), params, allow_fetch=False)
 
 
 def session_affinity(
@@ -239,17 +254,4 @@ def session_affinity(
     w = view.session_worker(req.session_id)
     if w is None or w not in view.workers or not _is_live(view, view.workers[w], now_ms, req.model):
         w = least_loaded_workers(view, live, 1, now_ms)[0]
-    return _score_set(view, req, now_ms, [w], _holders(view, req, now_ms), params, allow_fetch=False)
-
-
-Policy = Callable[[FleetView, ChatRequest, int, list[str], ScoringParams], list[CandidateScore]]
-
-POLICY_FUNCS: dict[str, Policy] = {
-    "round_robin": round_robin,
-    "least_loaded": least_loaded,
-    "session_affinity": session_affinity,
-    "prefix_aware": prefix_aware,
-    "kvmesh": kvmesh,
-}
-
-POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "session_affinity", "prefix_aware", "kvmesh")
+    return score_set(view, req, now_ms, [w], holders(view, req, now_ms), params, allow_fetch=False)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan
 from services.scheduler.errors import UnknownPolicy
 from services.scheduler.fairness import deadline_rejection, rejection
-from services.scheduler.policies import POLICIES, POLICY_FUNCS, CandidateScore, ScoringParams
+from services.scheduler.policies import CandidateScore, ScoringParams
+from services.scheduler.registry import POLICIES, POLICY_FUNCS, prepare_view
 from services.scheduler.view import FleetView
 
 __all__ = ["POLICIES", "CandidateScore", "Decision", "Router", "RouterSettings"]
@@ -58,6 +59,7 @@ class Router:
         self.scheduler_id = scheduler_id
         self.decision_seq = 0
         self._policy = POLICY_FUNCS[settings.policy]
+        prepare_view(view, settings.policy)
         self._params = ScoringParams(settings.fetch_min_blocks, settings.least_loaded_k)
 
     def decide(self, req: ChatRequest, now_ms: int) -> Decision:

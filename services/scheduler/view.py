@@ -15,14 +15,16 @@ assignment arrives, or ``pending_decay_ms`` passes (the report may be lost or th
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.costmodel import PerfProfile, decode_ms, recompute_ms
+from kvmesh.costmodel import PerfProfile, decode_ms, queued_prefill_ms, recompute_ms
 from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.router_state import ActiveBlocks, RoutedPrefixes
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,11 @@ class ViewSettings:
     pending_decay_ms: int = 2000
     worker_timeout_ms: int = 10000  # a worker whose last report is older than this (vs now_ms) is not live
     inflight_timeout_ms: int = 600_000  # an assignment with no Completion after this stops counting
+    # Learn each worker's real prefill speed from its Completions (measured prefill time against the
+    # published profile's) and price its work with the corrected profile. Memory: about this many
+    # Completions, weighted by their predicted prefill time.
+    learn_speed: bool = True
+    speed_memory: int = 16
 
 
 @dataclass(slots=True)
@@ -57,7 +64,7 @@ class WorkerState:
 
     worker_id: str
     report: LoadReport
-    profile: PerfProfile
+    profile: PerfProfile  # the published profile with the learned speed applied (SpeedEstimate)
     report_ms: int
     base_queue_ms: float
     pending: deque[PendingWork] = field(default_factory=deque)
@@ -70,15 +77,55 @@ class WorkerState:
 
 
 def _report_queue_ms(report: LoadReport, profile: PerfProfile) -> float:
-    """The wait implied by a report: its queued prefill (split evenly over the queued requests)."""
+    """The wait implied by a report: its queued prefill (priced with its context term when the worker
+    reports it; else split evenly over the queued requests, as if nothing were cached)."""
     wait = 0.0
-    if report.queued_prefill_tokens > 0:
+    if report.queued_prefill_tokens > 0 and report.queued_prefill_ctx_tokens > 0:
+        wait += queued_prefill_ms(profile, report.queued_prefill_tokens, report.queued_prefill_ctx_tokens)
+    elif report.queued_prefill_tokens > 0:
         n = max(report.queue_depth, 1)
         wait += n * recompute_ms(profile, report.queued_prefill_tokens // n)
     if report.active_requests > 0:
-        # A running batch interleaves one decode step with the new prefill.
-        wait += decode_ms(profile, 1)
+        # A running batch: the new prefill waits for the step in flight (half a step on average), then
+        # runs in an iteration with one more decode step.
+        wait += 1.5 * decode_ms(profile, 1)
     return wait
+
+
+@dataclass(slots=True)
+class SpeedEstimate:
+    """How much slower (> 1) or faster than its published profile a worker really prefills.
+
+    A decayed ratio of sums, measured over predicted prefill ms: a Completion weighs as much as its
+    prefill lasted, so short prefills (mostly fixed overheads) barely move it. Clamped to [1/5, 5] so
+    that one absurd report cannot take a worker out of the fleet or make it a sink.
+    """
+
+    measured_ms: float = 0.0
+    predicted_ms: float = 0.0
+    samples: int = 0
+
+    def add(self, measured_ms: float, predicted_ms: float, memory: int) -> None:
+        keep = 1.0 - 1.0 / max(memory, 1)
+        self.measured_ms = self.measured_ms * keep + measured_ms
+        self.predicted_ms = self.predicted_ms * keep + predicted_ms
+        self.samples += 1
+
+    @property
+    def factor(self) -> float:
+        if self.predicted_ms <= 0:
+            return 1.0
+        return min(max(self.measured_ms / self.predicted_ms, 0.2), 5.0)
+
+
+def _scaled(p: PerfProfile, factor: float) -> PerfProfile:
+    if factor == 1.0:
+        return p
+    return dataclasses.replace(
+        p,
+        prefill_ms_per_token=p.prefill_ms_per_token * factor,
+        prefill_ms_per_token_per_ctx=p.prefill_ms_per_token_per_ctx * factor,
+    )
 
 
 @dataclass(slots=True)
@@ -107,6 +154,11 @@ class FleetView:
         self._inflight_order: deque[str] = deque()
         self._tenant_inflight: dict[str, int] = {}
         self._sessions: dict[str, str] = {}  # session → worker of its last assignment
+        self._worker_inflight: dict[str, int] = {}  # worker → routed, not completed (SGLang's load)
+        self.speed: dict[str, SpeedEstimate] = {}  # worker → learned prefill speed (learn_speed)
+        # router-side bookkeeping of the peers' policies, kept only when the policy reads it (track())
+        self.active_blocks: ActiveBlocks | None = None
+        self.routed: RoutedPrefixes | None = None
         # worker → base queue + pending ms (decay not applied): ranks workers for least-loaded picks
         # in C (heapq with a dict getter) instead of one Python call per worker per decision
         self.load_key: dict[str, float] = {}
@@ -122,6 +174,13 @@ class FleetView:
         self._live_set: frozenset[str] = frozenset()
         self._live_at = 0
         self._live_until = -1
+
+    def track(self, active_blocks: bool = False, routed_max_blocks: int | None = None) -> None:
+        """Keep the router-side bookkeeping a policy reads (see router_state); from now on."""
+        if active_blocks and self.active_blocks is None:
+            self.active_blocks = ActiveBlocks()
+        if routed_max_blocks is not None and self.routed is None:
+            self.routed = RoutedPrefixes(routed_max_blocks)
 
     # -- events ----------------------------------------------------------------------------------
     def apply_kv_event(self, ev: KvEvent) -> None:
@@ -156,6 +215,9 @@ class FleetView:
         if ws is not None and lr.report_ms < ws.report_ms:
             return  # out of order: keep the newest
         profile = PerfProfile.from_load_report(lr)
+        speed = self.speed.get(lr.worker_id)
+        if speed is not None:
+            profile = _scaled(profile, speed.factor)
         if ws is None:
             ws = WorkerState(lr.worker_id, lr, profile, lr.report_ms, _report_queue_ms(lr, profile))
             self.workers[lr.worker_id] = ws
@@ -208,6 +270,11 @@ class FleetView:
             self.workers[wl.worker_id] = ws
         else:
             self._set_load_key(wl.worker_id, None)
+            self.speed.pop(wl.worker_id, None)  # a replacement may run elsewhere
+            if self.routed is not None:
+                self.routed.drop_worker(wl.worker_id)
+            if self.active_blocks is not None:
+                self.active_blocks.drop_worker(wl.worker_id)
         self._version += 1
         dropped = self.index.remove_worker(wl.worker_id)
         for rid in [r for r, f in self._inflight.items() if f.worker_id == wl.worker_id]:
@@ -237,6 +304,11 @@ class FleetView:
         self.assignments_noted += 1
         self._sessions[req.session_id] = a.worker_id
         self._inflight[req.request_id] = _Inflight(a.worker_id, req.tenant, now_ms)
+        self._worker_inflight[a.worker_id] = self._worker_inflight.get(a.worker_id, 0) + 1
+        if self.active_blocks is not None:
+            self.active_blocks.add(req.request_id, a.worker_id, req.block_hashes)
+        if self.routed is not None:
+            self.routed.insert(a.worker_id, req.block_hashes)
         self._inflight_order.append(req.request_id)
         self._tenant_inflight[req.tenant] = self._tenant_inflight.get(req.tenant, 0) + 1
         self._expire_inflight(now_ms)
@@ -244,10 +316,34 @@ class FleetView:
     def note_completion(self, c: Completion) -> None:
         self._drop_inflight(c.request_id)
         ws = self.workers.get(c.worker_id)
-        if ws is not None and ws.pending:
+        if ws is None:
+            return
+        learned = self.settings.learn_speed and self._learn_speed(ws, c)
+        if ws.pending:
             ws.pending = deque(p for p in ws.pending if p.request_id != c.request_id)
             ws.pending_total_ms = sum(p.cost_ms for p in ws.pending)
+        if learned or ws.pending:
             self._set_load_key(c.worker_id, ws.base_queue_ms + ws.pending_total_ms)
+
+    def _learn_speed(self, ws: WorkerState, c: Completion) -> bool:
+        """Fold one measured prefill into the worker's speed and re-price it; False: nothing learned."""
+        if c.error or c.prefill_ms <= 0 or c.recomputed_tokens <= 0:
+            return False
+        published = PerfProfile.from_load_report(ws.report)
+        predicted = recompute_ms(published, c.recomputed_tokens, c.reused_tokens + c.fetched_tokens)
+        if predicted <= 0:
+            return False
+        speed = self.speed.get(c.worker_id)
+        if speed is None:
+            speed = self.speed[c.worker_id] = SpeedEstimate()
+        speed.add(c.prefill_ms, predicted, self.settings.speed_memory)
+        ws.profile = _scaled(published, speed.factor)
+        ws.base_queue_ms = _report_queue_ms(ws.report, ws.profile)
+        return True
+
+    def worker_inflight(self, worker_id: str) -> int:
+        """Requests routed to the worker and not completed (the router's own count)."""
+        return self._worker_inflight.get(worker_id, 0)
 
     def load_snapshot(self, snapshot: Any) -> None:
         """Start from a KV manager DirectorySnapshot (``blocks`` hash → {worker: tier}, ``parents``)."""
@@ -295,6 +391,17 @@ class FleetView:
             w.cost_ms for w in ws.pending if oldest < w.assign_ms <= now_ms and w.assign_ms >= ws.report_ms
         )
 
+    def pending_prefill_tokens(self, ws: WorkerState, now_ms: int) -> int:
+        """Prompt tokens still to prefill of the router's own assignments its reports do not cover."""
+        if not ws.pending:
+            return 0
+        oldest = now_ms - self.settings.pending_decay_ms
+        return sum(
+            w.prefill_tokens
+            for w in ws.pending
+            if oldest < w.assign_ms <= now_ms and w.assign_ms >= ws.report_ms
+        )
+
     def queue_ms(self, ws: WorkerState, now_ms: int) -> float:
         """Estimated wait before a new request's prefill starts on ``ws``."""
         return ws.base_queue_ms + self.pending_ms(ws, now_ms)
@@ -340,6 +447,13 @@ class FleetView:
         f = self._inflight.pop(request_id, None)
         if f is None:
             return
+        left = self._worker_inflight.get(f.worker_id, 0) - 1
+        if left > 0:
+            self._worker_inflight[f.worker_id] = left
+        else:
+            self._worker_inflight.pop(f.worker_id, None)
+        if self.active_blocks is not None:
+            self.active_blocks.remove(request_id)
         n = self._tenant_inflight.get(f.tenant, 0) - 1
         if n > 0:
             self._tenant_inflight[f.tenant] = n

@@ -94,7 +94,8 @@ def test_cli_sweep_prints_one_json_object_last(tmp_path: Path, capsys: pytest.Ca
     out = _run([*common, "--time-scales", "0.5,1", "--plot", str(tmp_path / "plots")], capsys)
     assert [row["time_scale"] for row in out["sweep"]] == [0.5, 1.0]
     for row in out["sweep"]:
-        assert set(row) == {"time_scale", "policies", "goal"}
+        assert set(row) == {"time_scale", "policies", "bound", "goal", "peer_goal"}
+        assert row["peer_goal"] is None  # the peers' routers did not run
         assert set(row["policies"]) == set(POLICIES)
         for s in row["policies"].values():
             assert s["requests"] == 30
@@ -113,6 +114,7 @@ def test_cli_sweep_prints_one_json_object_last(tmp_path: Path, capsys: pytest.Ca
         a, b = dict(out["sweep"][0]["policies"][p]), dict(single["policies"][p])
         a.pop("wall_s")
         b.pop("wall_s")
+        assert a.pop("ttft_p50_excess_s") >= 0 and a.pop("ttft_p99_excess_s") >= 0  # sweep rows only
         assert a == b
 
 

@@ -1,0 +1,56 @@
+"""The TTFT no router can beat, to measure routing by its excess over it.
+
+Each request's bound is its prefill alone on an idle worker (no queue, no decode step beside it) that
+already holds, in its GPU tier, every leading block that any earlier request (by arrival) computed
+anywhere in the fleet. It is priced with the simulated engine's own timing (the truth profile and the
+request's own noise), so with ``--truth-scale`` it is the truth's bound.
+
+At light load a TTFT percentile is mostly prefill that no router avoids, so a ratio of raw TTFTs says
+little; the *excess* of a policy's percentile over the bound's is what routing can still win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kvmesh.costmodel import PerfProfile, recompute_ms
+from kvmesh.sim.truth import TruthScale
+from schemas.messages import ChatRequest
+from schemas.token_ids import int_list
+
+
+def bound_ttfts_s(requests: Iterable[ChatRequest], real: PerfProfile, truth: TruthScale) -> np.ndarray:
+    """Every request's bound TTFT in seconds, in arrival order. ``real``: the truth's profile."""
+    seen: set[int] = set()
+    out: list[float] = []
+    for req in requests:
+        bs = req.block_size
+        n_tok = len(req.token_ids)
+        hashes = int_list(req.block_hashes)
+        max_reuse = (n_tok - 1) // bs if n_tok else 0  # the last token is always computed (its logits)
+        cached = 0
+        # block hashes chain their prefix, so a block seen anywhere means its whole prefix was computed
+        for h in hashes[:max_reuse]:
+            if h not in seen:
+                break
+            cached += 1
+        seen.update(hashes)
+        ms = recompute_ms(real, n_tok - cached * bs, cached * bs) * truth.prefill_noise(req.request_id)
+        out.append(ms / 1000.0)
+    return np.asarray(out, dtype=float)
+
+
+def bound_summary(ttfts_s: np.ndarray) -> dict[str, Any]:
+    """The bound's percentiles, with the same names as a policy's summary."""
+    if not ttfts_s.size:
+        return {"ttft_p50_s": 0.0, "ttft_p90_s": 0.0, "ttft_p99_s": 0.0, "ttft_mean_s": 0.0, "requests": 0}
+    return {
+        "ttft_p50_s": float(np.percentile(ttfts_s, 50)),
+        "ttft_p90_s": float(np.percentile(ttfts_s, 90)),
+        "ttft_p99_s": float(np.percentile(ttfts_s, 99)),
+        "ttft_mean_s": float(ttfts_s.mean()),
+        "requests": int(ttfts_s.size),
+    }

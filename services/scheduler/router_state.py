@@ -1,0 +1,131 @@
+"""Router-side bookkeeping that some peers' routers keep instead of (or besides) the engines' reports.
+
+Two peers route on what *they* sent rather than on what the engines say they hold:
+
+* :class:`ActiveBlocks` -- NVIDIA Dynamo's ``ActiveSequences``: per worker, the prompt blocks of the
+  requests it routed there and that have not completed (a block shared by two active requests counts
+  once). Its decode cost is this count, plus the new request's blocks not already among them.
+* :class:`RoutedPrefixes` -- SGLang router's approximate radix tree: per worker, the prompts it routed
+  there, inserted at routing time and evicted LRU past a per-worker size; the engine's real cache is
+  never read. Block hashes chain their prefix, so a set of hashes per worker is the tree.
+
+Both are fed only by the router's own assignments and the Completions it sees, in event order, so they
+are deterministic and replay exactly. The view keeps one only when its policy needs it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class ActiveBlocks:
+    """Owns, per worker, a refcount of the prompt blocks of its active (routed, not completed) requests."""
+
+    __slots__ = ("_by_request", "_counts")
+
+    def __init__(self) -> None:
+        self._counts: dict[str, dict[int, int]] = {}
+        self._by_request: dict[str, tuple[str, list[int]]] = {}
+
+    def add(self, request_id: str, worker_id: str, block_hashes: Sequence[int]) -> None:
+        if request_id in self._by_request:
+            return
+        hashes = list(block_hashes)
+        counts = self._counts.setdefault(worker_id, {})
+        for h in hashes:
+            counts[h] = counts.get(h, 0) + 1
+        self._by_request[request_id] = (worker_id, hashes)
+
+    def remove(self, request_id: str) -> None:
+        entry = self._by_request.pop(request_id, None)
+        if entry is None:
+            return
+        worker_id, hashes = entry
+        counts = self._counts.get(worker_id)
+        if counts is None:
+            return
+        for h in hashes:
+            n = counts.get(h, 0) - 1
+            if n > 0:
+                counts[h] = n
+            else:
+                counts.pop(h, None)
+
+    def drop_worker(self, worker_id: str) -> None:
+        self._counts.pop(worker_id, None)
+        for rid in [r for r, (w, _) in self._by_request.items() if w == worker_id]:
+            del self._by_request[rid]
+
+    def active(self, worker_id: str) -> int:
+        """Distinct blocks of the worker's active requests."""
+        return len(self._counts.get(worker_id, ()))
+
+    def new_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """How many of ``block_hashes`` the worker's active requests do not already hold."""
+        counts = self._counts.get(worker_id)
+        if not counts:
+            return len(block_hashes)
+        return sum(1 for h in block_hashes if h not in counts)
+
+
+class RoutedPrefixes:
+    """Owns, per worker, the block hashes of the prompts routed there (LRU, at most ``max_blocks``),
+    and, per block, the workers holding it in the order they first got it (SGLang answers a match with
+    the node's first tenant)."""
+
+    __slots__ = ("_holders", "_lru", "max_blocks")
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max(1, max_blocks)
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._holders: dict[int, list[str]] = {}
+
+    def insert(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        lru = self._lru.setdefault(worker_id, OrderedDict())
+        holders = self._holders
+        # leaf first, so that the prompt's ancestors end up the most recent: LRU eviction then takes
+        # leaves before the prefixes they hang from, as a radix tree's leaf-first eviction does
+        for h in reversed(block_hashes):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders.setdefault(h, []).append(worker_id)
+        while len(lru) > self.max_blocks:
+            h, _ = lru.popitem(last=False)
+            self._forget(h, worker_id)
+
+    def drop_worker(self, worker_id: str) -> None:
+        for h in self._lru.pop(worker_id, OrderedDict()):
+            self._forget(h, worker_id)
+
+    def match(self, block_hashes: Sequence[int], live: set[str] | frozenset[str]) -> tuple[int, str | None]:
+        """The deepest prefix of ``block_hashes`` routed to a live worker: (its length in blocks, the
+        first live worker that got its last block)."""
+        depth = 0
+        tenant: str | None = None
+        holders = self._holders
+        for i, h in enumerate(block_hashes):
+            ws = holders.get(h)
+            if not ws:
+                break
+            first = next((w for w in ws if w in live), None)
+            if first is None:
+                break
+            depth, tenant = i + 1, first
+        return depth, tenant
+
+    def size(self, worker_id: str) -> int:
+        return len(self._lru.get(worker_id, ()))
+
+    def _forget(self, h: int, worker_id: str) -> None:
+        ws = self._holders.get(h)
+        if ws is None:
+            return
+        try:
+            ws.remove(worker_id)
+        except ValueError:
+            return
+        if not ws:
+            del self._holders[h]

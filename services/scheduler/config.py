@@ -36,6 +36,9 @@ class SchedulerSettings(BaseSettings):
     pending_decay_ms: int = 2000
     worker_timeout_ms: int = 10_000
     inflight_timeout_ms: int = 600_000
+    # Correct each worker's published prefill speed from its Completions' measured prefill times.
+    learn_speed: bool = True
+    speed_memory: int = 16
 
     # Cold start: load the KV manager's directory snapshot from Redis, then resume kv-events after it.
     use_snapshot: bool = True
@@ -76,4 +79,6 @@ class SchedulerSettings(BaseSettings):
             pending_decay_ms=self.pending_decay_ms,
             worker_timeout_ms=self.worker_timeout_ms,
             inflight_timeout_ms=self.inflight_timeout_ms,
+            learn_speed=self.learn_speed,
+            speed_memory=self.speed_memory,
         )

@@ -19,10 +19,11 @@ fetches. The peers' routers are in :mod:`services.scheduler.peer_policies`, ever
 Because the queue estimate includes pending work, an overloaded fleet does not recompute a shared
 prefix everywhere: moving a request off a busy holder only wins when the saved wait exceeds the
 recompute (or fetch) it costs. Under load that greedy rule still undercounts: the extra prefill a
-choice causes (its recompute and transfer beyond the cheapest candidate's) also delays every request
-that will queue behind it. So each candidate pays that extra work once more per request queued on an
-average candidate (reports' queue depth plus the router's own pending assignments), the M/G/1
-externality of a job's service time. Idle fleets have no queue, and the rule is then pure TTFT.
+choice causes on its worker (recompute and promotions, beyond the cheapest candidate's; link time is not
+the worker's compute) also delays every request that will queue behind it. So each candidate pays that
+extra work once more per request queued on an average candidate (reports' queue depth plus the
+router's own pending assignments), the M/G/1 externality of a job's service time. Idle fleets have no
+queue, and the rule is then pure TTFT.
 
 Candidates are the live workers holding a leading block of the prompt plus the ``k`` least loaded live
 workers: any other worker holds nothing of the prompt, so it cannot beat the least loaded of those
@@ -50,6 +51,7 @@ class CandidateScore:
     cached_blocks: int
     fetch_blocks: int
     fetch_from: str | None
+    work_ms: float = 0.0  # the worker's own compute for it: recompute + promotions (not the link)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,8 @@ def score_worker(
         move = promote_ms(p, "dram", dram) + promote_ms(p, "disk", disk)
     fetch = 0
     fetch_from = None
+    local_move = move
+    landed = 0.0
     # Only engines that move KV blocks with peers (both ends) can fetch; others reuse in place.
     if peer is not None and ws.report.peer_transfer and peer.ws.report.peer_transfer:
         k = min(peer.counts[0], max_reuse) - cached
@@ -146,6 +150,7 @@ def score_worker(
                 fetch = k
                 fetch_from = peer.ws.worker_id
                 move += t
+                landed = promote_ms(p, "dram", k) if p.dram_blocks > 0 else 0.0
     reused_tokens = (cached + fetch) * bs
     rec = recompute_ms(p, n_tok - reused_tokens, reused_tokens)
     queue = view.queue_ms(ws, now_ms)
@@ -158,6 +163,7 @@ def score_worker(
         cached_blocks=cached,
         fetch_blocks=fetch,
         fetch_from=fetch_from,
+        work_ms=rec + local_move + landed,
     )
 
 
@@ -206,10 +212,10 @@ def kvmesh(
     # it; as many will as now wait on an average candidate (see the module docstring)
     depth = sum(workers[c.worker_id].report.queue_depth + len(workers[c.worker_id].pending) for c in out)
     behind = depth / len(out)
-    least_work = min(c.recompute_ms + c.transfer_ms for c in out)
+    least_work = min(c.work_ms for c in out)
 
     def cost(c: CandidateScore) -> float:
-        return c.ttft_ms + behind * (c.recompute_ms + c.transfer_ms - least_work)
+        return c.ttft_ms + behind * (c.work_ms - least_work)
 
     # equal estimates (common: idle or one decode step, nothing cached) go to the smaller decode
     # batch, which frees up sooner, rather than always to the lowest id

@@ -319,10 +319,11 @@ class FleetView:
         if ws is None:
             return
         learned = self.settings.learn_speed and self._learn_speed(ws, c)
-        if ws.pending:
+        had_pending = bool(ws.pending)
+        if had_pending:
             ws.pending = deque(p for p in ws.pending if p.request_id != c.request_id)
             ws.pending_total_ms = sum(p.cost_ms for p in ws.pending)
-        if learned or ws.pending:
+        if learned or had_pending:
             self._set_load_key(c.worker_id, ws.base_queue_ms + ws.pending_total_ms)
 
     def _learn_speed(self, ws: WorkerState, c: Completion) -> bool:

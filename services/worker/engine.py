@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvmesh.costmodel import PerfProfile
+from kvmesh.costmodel import PerfProfile, prefill_ctx
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import KvEvent
@@ -444,6 +444,9 @@ class Engine:
                 active_tokens=sum(len(s.tokens) for s in active),
                 queued_prefill_tokens=sum(s.prompt_len for s in self._waiting)
                 + sum(s.prompt_len - s.n_computed for s in active if s.prefilling),
+                # waiting prompts count as uncached: their reuse is only known when they start
+                queued_prefill_ctx_tokens=sum(prefill_ctx(s.prompt_len) for s in self._waiting)
+                + sum(prefill_ctx(s.prompt_len - s.n_computed, s.n_computed) for s in active if s.prefilling),
                 tiers=self.kv.tier_usage(),
             )
 

@@ -121,6 +121,8 @@ class EngineLoad:
     active_tokens: int
     queued_prefill_tokens: int
     tiers: list[TierUsage]
+    # sum of kvmesh.costmodel.prefill_ctx over the queued prompts (0: unknown)
+    queued_prefill_ctx_tokens: float = 0.0
 
 
 class WorkerEngine(Protocol):

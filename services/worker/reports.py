@@ -65,6 +65,7 @@ def build_load_report(
         active_requests=load.active_requests,
         active_tokens=load.active_tokens,
         queued_prefill_tokens=load.queued_prefill_tokens,
+        queued_prefill_ctx_tokens=load.queued_prefill_ctx_tokens,
         tiers=list(load.tiers),
         transfer_address=ident.transfer_address,
         block_size=ident.block_size,

@@ -24,7 +24,16 @@ BUSY = {"queue_depth": 1, "queued_prefill_tokens": 2000}  # ~140 ms of queued pr
 
 
 def test_policies_tuple_is_the_contract() -> None:
-    assert POLICIES == ("round_robin", "least_loaded", "session_affinity", "prefix_aware", "kvmesh")
+    assert POLICIES == (
+        "round_robin",
+        "least_loaded",
+        "session_affinity",
+        "prefix_aware",
+        "dynamo",
+        "llm_d",
+        "sglang",
+        "kvmesh",
+    )
     with pytest.raises(UnknownPolicy):
         Router(FleetView(), RouterSettings(policy="random"))
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.costmodel import PerfProfile
+from kvmesh.costmodel import PerfProfile, prefill_ctx
 from kvmesh.tokenizer import HFTokenizer
 from schemas.messages import KvEvent, TierUsage
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
@@ -409,6 +409,10 @@ class VllmEngine:
         queued = sum(r.num_prompt_tokens for r in waiting) + sum(
             max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running
         )
+        ctx = sum(prefill_ctx(r.num_prompt_tokens) for r in waiting) + sum(
+            prefill_ctx(max(r.num_prompt_tokens - r.num_computed_tokens, 0), r.num_computed_tokens)
+            for r in running
+        )
         pool = sched.kv_cache_manager.block_pool
         free = int(pool.get_num_free_blocks())
         # Free-queue blocks may still hold cached prefixes (evictable): vLLM counts them free, as we do.
@@ -417,6 +421,7 @@ class VllmEngine:
             active_requests=len(running),
             active_tokens=sum(r.num_tokens for r in running),
             queued_prefill_tokens=queued,
+            queued_prefill_ctx_tokens=ctx,
             tiers=[
                 TierUsage(tier="gpu", free_blocks=free, total_blocks=self._num_blocks),
                 *(t for t in (self.store.tier_usage() if self.store is not None else []) if t.tier != "gpu"),

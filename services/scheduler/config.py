@@ -23,7 +23,7 @@ class SchedulerSettings(BaseSettings):
 
     # Routing (RouterSettings).
     policy: str = "kvmesh"
-    max_queue_ms: float = 60_000.0
+    max_queue_ms: float = 2_000.0  # late binding: hold requests while every queue is this long
     fetch_min_blocks: int = 1
     tenant_max_inflight: int | None = None
     least_loaded_k: int = 2

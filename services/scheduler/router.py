@@ -3,7 +3,8 @@
 ``decide`` applies, in order: the deadline (past it → rejection), the tenant's in-flight cap (→
 deferred), the live workers serving the model (none → deferred for ``no_worker_hold_ms`` after arrival,
 then rejection), the policy's ranking, and overload (best queue wait above ``max_queue_ms`` → deferred
-until ``max_hold_ms`` after arrival, then assigned anyway). The assignment carries the fetch plan and the
+until ``max_hold_ms`` after arrival, then assigned anyway; not for the peers' routers, which route at
+once as their defaults do). The assignment carries the fetch plan and the
 estimate, and the router records it in the view (``note_assignment``; idempotent per request id, so a
 driver that also calls it does not double-count).
 
@@ -18,7 +19,7 @@ from schemas.messages import Assignment, ChatRequest, Completion, Estimate, Fetc
 from services.scheduler.errors import UnknownPolicy
 from services.scheduler.fairness import deadline_rejection, rejection
 from services.scheduler.policies import CandidateScore, ScoringParams
-from services.scheduler.registry import POLICIES, POLICY_FUNCS, prepare_view
+from services.scheduler.registry import PEER_POLICIES, POLICIES, POLICY_FUNCS, prepare_view
 from services.scheduler.view import FleetView
 
 __all__ = ["POLICIES", "CandidateScore", "Decision", "Router", "RouterSettings"]
@@ -29,7 +30,10 @@ class RouterSettings:
     """How the router decides. Times in ms of event time."""
 
     policy: str = "kvmesh"
-    max_queue_ms: float = 60_000.0  # best worker's wait above this: defer (hold) instead of piling on
+    # Late binding: while the best worker already has this much queued, the request waits in the
+    # scheduler instead of piling on (held requests are placed later with a fresher view of caches and
+    # queues). A few seconds keeps every busy GPU fed; the peers' routers do not hold (their defaults).
+    max_queue_ms: float = 2_000.0
     fetch_min_blocks: int = 1  # plan a peer fetch only for at least this many blocks
     tenant_max_inflight: int | None = None  # per-tenant cap on assigned, not yet completed requests
     least_loaded_k: int = 2  # besides cache holders, how many least-loaded workers are scored
@@ -60,6 +64,7 @@ class Router:
         self.decision_seq = 0
         self._policy = POLICY_FUNCS[settings.policy]
         prepare_view(view, settings.policy)
+        self._holds_when_overloaded = settings.policy not in PEER_POLICIES
         self._params = ScoringParams(settings.fetch_min_blocks, settings.least_loaded_k)
 
     def decide(self, req: ChatRequest, now_ms: int) -> Decision:
@@ -79,7 +84,11 @@ class Router:
             return Decision(None, rejection(req, msg), [], reason="no_live_workers")
         candidates = self._policy(view, req, now_ms, live, self._params)
         best = candidates[0]
-        if best.queue_ms > s.max_queue_ms and now_ms - req.arrival_ms < s.max_hold_ms:
+        if (
+            self._holds_when_overloaded
+            and best.queue_ms > s.max_queue_ms
+            and now_ms - req.arrival_ms < s.max_hold_ms
+        ):
             return Decision(None, None, candidates, deferred=True, reason="overloaded")
         self.decision_seq += 1
         assignment = self._assignment(req, best)

@@ -145,3 +145,14 @@ def test_peer_estimates_are_the_cost_model_price_of_their_choice() -> None:
         est.policy == "dynamo" and est.ttft_ms == pytest.approx(d.candidates[0].ttft_ms) and est.ttft_ms > 0
     )
     assert dataclasses.asdict(d.candidates[0])["worker_id"] == d.assignment.worker_id
+
+
+@pytest.mark.parametrize("policy", ["dynamo", "llm_d", "sglang"])
+def test_peers_route_at_once_where_kvmesh_holds(policy: str) -> None:
+    heavy = {"queue_depth": 4, "queued_prefill_tokens": 60_000}  # seconds of queued prefill on every worker
+    loads = {f"w-{i}": heavy for i in range(3)}
+    req = request("r", prompt(64))
+    held = _fleet("kvmesh", **loads).decide(req, NOW)
+    assert held.deferred and held.reason == "overloaded"  # late binding: wait in the scheduler
+    d = _fleet(policy, **loads).decide(req, NOW)
+    assert d.assignment is not None and not d.deferred  # the peers' defaults have no router queue

@@ -122,6 +122,28 @@ class Estimate:
 
 
 @dataclass(frozen=True, slots=True)
+class DecisionInputs:
+    """Where a scheduler stood in its input streams when it made a decision, for exact replay.
+
+    ``applied`` maps ``"topic/partition"`` of every state partition (kv-events, load, control,
+    replies) to the next offset the scheduler had not applied (everything below it was). To stay small
+    it holds only the partitions that moved since this scheduler's previous decision, except in a
+    ``full`` record (the first after a start, then every ``FULL_EVERY``-th), which holds them all plus
+    ``since``: the offset each partition was first read from (replies start at their end; kv-events
+    at the directory snapshot's offsets). ``batch`` numbers the dispatcher's drains: decisions of one
+    batch saw the same inputs, in ``decision_seq`` order.
+    """
+
+    FULL_EVERY: ClassVar[int] = 64
+
+    now_ms: int
+    applied: dict[str, int] = field(default_factory=dict)
+    since: dict[str, int] = field(default_factory=dict)
+    full: bool = False
+    batch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Assignment:
     """The scheduler's decision for one request, keyed by ``worker_id``.
 
@@ -141,6 +163,7 @@ class Assignment:
     fetch: list[FetchPlan] = field(default_factory=list)
     scheduler_id: str = ""
     decision_seq: int = 0
+    inputs: DecisionInputs | None = None  # the scheduler's input positions (None: not recorded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -378,6 +378,12 @@ def _emit_plain(g: _Gen, hint: Any, expr: str) -> str:
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(inner) == 1 and inner[0] in (int, float, str, bytes, bool):
             return expr
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]) and isinstance(inner[0], type):
+            # an optional nested message: its own fast encoder, None as is
+            return f"(None if {expr} is None else {g.bind(_fast_encoder(inner[0]), 'enc')}({expr}))"
+    if origin is dict and all(a in (int, float, str, bytes, bool) for a in typing.get_args(hint)):
+        # MessagePack writes a dict of scalars as a map: no copy needed.
+        return expr
     if origin is list and typing.get_args(hint)[0] in (int, float, str, bytes):
         # MessagePack writes a list or a tuple as the same array: no copy needed.
         return expr

@@ -24,6 +24,7 @@ import msgpack
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from streams.admin import topic_name
+from streams.clock import now_ms as wall_ms
 from streams.errors import StreamsError
 from streams.settings import KafkaSettings
 from streams.topics import TopicSpec
@@ -134,53 +135,93 @@ async def record_topics(
             parts = consumer.partitions_for_topic(name) or set(range(spec.partitions))
             tps.extend(TopicPartition(name, p) for p in sorted(parts))
         consumer.assign(tps)
+        started_ms = wall_ms()
         ends = await consumer.end_offsets(tps)
         starts = await _start_offsets(consumer, tps, catalog, from_offsets, since_ms)
-        active = set()
-        for tp in tps:
-            consumer.seek(tp, starts[tp])
-            if starts[tp] < ends[tp]:
-                active.add(tp)
-        loop = asyncio.get_running_loop()
-        last_progress = loop.time()
         with open(path, "wb") as f:
-            while active and (max_records is None or written < max_records):
-                batches = await consumer.getmany(*active, timeout_ms=200)
-                if not any(batches.values()):
-                    if loop.time() - last_progress > idle_timeout_s:
-                        break
-                    continue
-                last_progress = loop.time()
-                for tp, recs in batches.items():
-                    for rec in recs:
-                        if tp not in active:
-                            break
-                        if rec.offset >= ends[tp] or (until_ms is not None and rec.timestamp > until_ms):
-                            active.discard(tp)
-                            break
-                        f.write(
-                            _frame(
-                                RawRecord(
-                                    catalog[tp.topic],
-                                    tp.partition,
-                                    rec.offset,
-                                    rec.timestamp,
-                                    rec.key,
-                                    bytes(rec.value or b""),
-                                )
-                            )
-                        )
-                        written += 1
-                        if rec.offset + 1 >= ends[tp]:
-                            active.discard(tp)
-                        if max_records is not None and written >= max_records:
-                            break
-                    if max_records is not None and written >= max_records:
-                        break
+            window = _Window(consumer, f, catalog, max_records, until_ms, idle_timeout_s)
+            await window.copy(starts, ends)
+            # A broker may answer ListOffsets with an end short of what its fetches serve (tansu does
+            # after a multi-record produce batch): records produced before the recording began would be
+            # lost. A second look reads on from where each partition stopped, and keeps only records
+            # from before the start (a later one ends that partition; a quiet one ends on idle).
+            if window.room():
+                window.until_ms = started_ms if until_ms is None else min(until_ms, started_ms)
+                beyond = {tp: window.next_offset.get(tp, max(starts[tp], ends[tp])) for tp in tps}
+                await window.copy(beyond, {tp: 1 << 62 for tp in tps})
+            written = window.written
     finally:
         await consumer.stop()
     log.info("recorded %d records of %s to %s", written, [t.name for t in topics], path)
     return written
+
+
+class _Window:
+    """Copies records of assigned partitions from ``starts`` up to ``ends`` into a recording file."""
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        f: BinaryIO,
+        catalog: dict[str, str],
+        max_records: int | None,
+        until_ms: int | None,
+        idle_timeout_s: float,
+    ) -> None:
+        self.consumer = consumer
+        self.f = f
+        self.catalog = catalog
+        self.max_records = max_records
+        self.until_ms = until_ms
+        self.idle_timeout_s = idle_timeout_s
+        self.written = 0
+        self.next_offset: dict[TopicPartition, int] = {}
+
+    def room(self) -> bool:
+        return self.max_records is None or self.written < self.max_records
+
+    async def copy(self, starts: dict[TopicPartition, int], ends: dict[TopicPartition, int]) -> None:
+        consumer = self.consumer
+        active = set()
+        for tp, start in starts.items():
+            consumer.seek(tp, start)
+            if start < ends[tp]:
+                active.add(tp)
+        loop = asyncio.get_running_loop()
+        last_progress = loop.time()
+        while active and self.room():
+            batches = await consumer.getmany(*active, timeout_ms=200)
+            if not any(batches.values()):
+                if loop.time() - last_progress > self.idle_timeout_s:
+                    break
+                continue
+            last_progress = loop.time()
+            for tp, recs in batches.items():
+                for rec in recs:
+                    if tp not in active:
+                        break
+                    late = self.until_ms is not None and rec.timestamp > self.until_ms
+                    if rec.offset >= ends[tp] or late:
+                        active.discard(tp)
+                        break
+                    self.f.write(
+                        _frame(
+                            RawRecord(
+                                self.catalog[tp.topic],
+                                tp.partition,
+                                rec.offset,
+                                rec.timestamp,
+                                rec.key,
+                                bytes(rec.value or b""),
+                            )
+                        )
+                    )
+                    self.written += 1
+                    self.next_offset[tp] = rec.offset + 1
+                    if rec.offset + 1 >= ends[tp]:
+                        active.discard(tp)
+                    if not self.room():
+                        return
 
 
 async def _start_offsets(

@@ -10,12 +10,15 @@ so pending work stays bounded. Reports are applied outside the timed section.
 (wall clock) and ``decision_cpu_p50_us`` / ``decision_cpu_p99_us`` (CPU time of the deciding thread,
 which leaves out preemption by other processes on a shared machine), keyed by worker count,
 ``decisions_per_s`` (one replica at 64 workers, reports included),
-``index_bytes_per_entry`` (sys.getsizeof accounting) and ``index_bytes_per_entry_tracemalloc``.
+``index_bytes_per_entry`` (sys.getsizeof accounting), ``index_bytes_per_entry_tracemalloc``, and
+``decision_inputs``: the bytes exact replay's input positions add to an Assignment (a full record over 20
+state partitions, a 3-partition delta) and the encode time with and without them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import random
@@ -147,6 +150,45 @@ def bench_fleet(n_workers: int, n_blocks: int, n_decisions: int, chain: int, see
     }
 
 
+def decision_inputs_cost(partitions: int = 20, n: int = 2000) -> dict[str, float]:
+    """What exact replay's input positions add to an Assignment: encoded bytes of a full record
+    (every state partition and its start) and of a typical delta (3 partitions moved), beside the
+    assignment without them, and the time to encode one with a delta."""
+    from schemas.codec import encode
+    from schemas.messages import Assignment, DecisionInputs, Estimate
+
+    rng = random.Random(1)
+    req = _requests([[rng.getrandbits(64) | 1 for _ in range(16)]], 1, 1, rng)[0]
+    keys = [
+        f"kvmesh.{t}/{p}" for t in ("kv-events", "load", "control", "replies") for p in range(partitions // 4)
+    ]
+    applied = {k: rng.randint(10_000, 10_000_000) for k in keys}
+    base = Assignment(req, "w-1", 4, 100, Estimate(12.5, 1.0, 10.0, 1.5, "kvmesh"), decision_seq=12345)
+    full = dataclasses.replace(base, inputs=DecisionInputs(1_700_000_000_000, applied, applied, True, 99))
+    delta = dataclasses.replace(
+        base, inputs=DecisionInputs(1_700_000_000_000, dict(list(applied.items())[:3]), {}, False, 100)
+    )
+    sizes = {
+        name: len(encode(a, "scheduler-0", 1, 0))
+        for name, a in (("none", base), ("full", full), ("delta", delta))
+    }
+    t = time.perf_counter()
+    for _ in range(n):
+        encode(delta, "scheduler-0", 1, 0)
+    with_inputs = (time.perf_counter() - t) / n * 1e6
+    t = time.perf_counter()
+    for _ in range(n):
+        encode(base, "scheduler-0", 1, 0)
+    without = (time.perf_counter() - t) / n * 1e6
+    return {
+        "assignment_bytes": sizes["none"],
+        "inputs_full_bytes": sizes["full"] - sizes["none"],
+        "inputs_delta_bytes": sizes["delta"] - sizes["none"],
+        "encode_us_with_delta_inputs": round(with_inputs, 2),
+        "encode_us_without_inputs": round(without, 2),
+    }
+
+
 def tracemalloc_bytes_per_entry(n_blocks: int, chain: int, seed: int) -> float:
     """Bytes per (block, holder) entry as tracemalloc sees them while an index is filled."""
     rng = random.Random(seed)
@@ -193,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         "index_entries": {k: r["entries"] for k, r in results.items()},
         "index_bytes_per_entry": round(ref["bytes_per_entry"], 1),
         "index_bytes_per_entry_tracemalloc": round(tm, 1),
+        # exact replay: what each Assignment's DecisionInputs adds (a full record every 64 batches)
+        "decision_inputs": decision_inputs_cost(),
     }
     if args.json:
         sys.stdout.write(json.dumps(summary) + "\n")

@@ -1,11 +1,16 @@
 """``kvmesh replay``: re-run the scheduler over a recorded window; show where its decisions diverge.
 
     kvmesh replay window.rec [--policy P] [--router KEY=VALUE ...] [--view KEY=VALUE ...]
-                  [--only-divergent] [--top K] [--json]
+                  [--only-divergent] [--top K] [--explain REQUEST_ID] [--json]
     kvmesh replay --bootstrap 127.0.0.1:9092 [--since-ms T] [--until-ms T] [--max-records N] ...
 
-Without ``--policy`` the replay uses the policy named in the recorded assignments, so a faithful
-replay shows zero divergences; ``--policy`` / ``--router`` answer "what would have happened". With
+A live scheduler stamps each assignment with its input positions, and such a recording replays
+*exactly*: each decision is re-made on the state records the live one had applied, in the recorded
+dispatch order (kvmesh.replay.exact); decisions whose inputs the recording lacks are listed as
+unreproducible, never as divergences. Older recordings replay approximately, in timestamp order, and
+the output says so. Without ``--policy`` the replay uses the policy named in the recorded assignments,
+so a faithful replay shows zero divergences; ``--policy`` / ``--router`` answer "what would have
+happened". With
 ``--json`` the last stdout line is one JSON object (``requests``, ``divergences``, ``dead``,
 ``decisions``). Exit status 0 either way (divergences are findings, not errors); 2 on bad input.
 """
@@ -19,8 +24,9 @@ import sys
 from typing import Any
 
 from kvmesh.replay.errors import ReplayError
+from kvmesh.replay.exact import ExactDecision, ExactReport
 from kvmesh.replay.record import kafka_settings, parse_topics
-from kvmesh.replay.replayer import fetch_window, format_decision, read_window, replay
+from kvmesh.replay.replayer import explain, fetch_window, format_decision, read_window, replay_any
 from schemas.errors import SchemaError
 from services.scheduler.errors import SchedulerError
 from services.scheduler.view import ViewSettings
@@ -42,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--top", type=int, default=3, help="candidates shown per request")
     p.add_argument("--only-divergent", action="store_true")
+    p.add_argument(
+        "--explain", metavar="REQUEST_ID", default=None, help="the full candidate table of one decision"
+    )
     p.add_argument("--json", action="store_true")
     return p
 
@@ -79,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             view = dataclasses.replace(ViewSettings(), **parse_overrides(args.view))
         except TypeError as exc:
             raise ReplayError(f"bad view override: {exc}") from exc
-        report = replay(
+        report = replay_any(
             records,
             policy=args.policy,
             router_overrides=parse_overrides(args.router),
@@ -90,15 +99,35 @@ def main(argv: list[str] | None = None) -> int:
     except (ReplayError, SchedulerError, SchemaError, StreamsError, OSError) as exc:
         sys.stderr.write(f"kvmesh replay: {exc}\n")
         return 2
-    for d in report.decisions:
-        if d.diverged or not args.only_divergent:
-            sys.stdout.write(format_decision(d) + "\n")
-    sys.stdout.write(
+    if args.explain is not None:
+        found = [d for d in report.decisions if d.request_id == args.explain]
+        if not found:
+            sys.stderr.write(f"kvmesh replay: no decision for request {args.explain!r} in the recording\n")
+            return 2
+        for d in found:  # a request re-decided after its worker was lost has several
+            sys.stdout.write(explain(d) + "\n")
+    else:
+        for d in report.decisions:
+            shown = d.diverged or (isinstance(d, ExactDecision) and not d.reproducible)
+            if shown or not args.only_divergent:
+                sys.stdout.write(format_decision(d, args.top) + "\n")
+    line = (
         f"policy={report.policy} records={report.records} dead={report.dead} "
-        f"requests={len(report.decisions)} divergences={report.divergences}\n"
+        f"requests={len(report.decisions)} divergences={report.divergences}"
     )
+    if isinstance(report, ExactReport):
+        lag = report.lag_summary()
+        out_json = report.to_json(args.only_divergent, args.top)
+        line += (
+            f" unreproducible={report.unreproducible} mode=exact view_lag_p99_ms={lag['p99_ms']:g}"
+            f" needless_fetches={out_json['needless_fetches']}/{out_json['fetch_plans']}"
+        )
+    else:
+        out_json = report.to_json(args.only_divergent, args.top)
+        line += " mode=approximate (the recording has no decision input positions)"
+    sys.stdout.write(line + "\n")
     if args.json:
-        sys.stdout.write(json.dumps(report.to_json(args.only_divergent), sort_keys=True) + "\n")
+        sys.stdout.write(json.dumps(out_json, sort_keys=True) + "\n")
     return 0
 
 

@@ -14,9 +14,12 @@ Order and time follow the live scheduler (services/scheduler/service.py):
   window are noted where they appear.
 
 Undecodable records are counted (``dead``) and skipped, as a live consumer dead-letters them.
-Known limit: the live loop decides a polled batch of requests after the state records of the same
-poll, and a multi-tenant FairDispatcher may reorder requests; a replay decides one request at a time
-in record order, so a decision made under load may diverge for that reason alone.
+
+This is the *approximate* replay, for recordings whose assignments carry no input positions (older
+versions, the simulator's recordings): the live loop decides a polled batch after the state records
+of the same poll, so a decision made under load may diverge for that reason alone. Recordings of a
+live scheduler that stamps its inputs replay exactly (:mod:`kvmesh.replay.exact`); :func:`replay_any`
+picks the mode.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.replay.errors import ReplayError
+from kvmesh.replay.exact import ExactDecision, ExactReport, assignment_records, has_inputs, replay_exact
 from schemas.codec import decode
 from schemas.errors import SchemaError
 from schemas.messages import Assignment, ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
@@ -100,9 +104,12 @@ class ReplayReport:
     def divergences(self) -> int:
         return sum(d.diverged for d in self.decisions)
 
-    def to_json(self, only_divergent: bool = False) -> dict[str, Any]:
+    def to_json(self, only_divergent: bool = False, top_k: int = 3) -> dict[str, Any]:
         shown = [d for d in self.decisions if d.diverged or not only_divergent]
         return {
+            "mode": "approximate",
+            "note": "the recording's assignments carry no input positions: decisions are replayed in "
+            "timestamp order and may diverge from the live ones for that reason alone",
             "policy": self.policy,
             "records": self.records,
             "dead": self.dead,
@@ -179,6 +186,31 @@ def replay(
     return report
 
 
+def replay_any(
+    records: Iterable[RawRecord],
+    policy: str | None = None,
+    router_overrides: dict[str, Any] | None = None,
+    view_settings: ViewSettings | None = None,
+    block_size: int | None = None,
+    top_k: int = 3,
+) -> ReplayReport | ExactReport:
+    """Exact replay when the recorded assignments carry their input positions, else approximate."""
+    raw = list(records)
+    assignments, dead = assignment_records(raw)
+    if not has_inputs([a for _, a in assignments]):
+        return replay(raw, policy, router_overrides, view_settings, block_size, top_k)
+    others_dead = 0
+    for r in raw:
+        if r.topic != ASSIGNMENTS.name:
+            try:
+                decode(r.value)
+            except SchemaError:
+                others_dead += 1
+    return replay_exact(
+        raw, assignments, policy, router_overrides, view_settings, block_size, dead + others_dead
+    )
+
+
 def _decide(
     router: Router, view: _ReplayView, req: ChatRequest, now: int, rec: Assignment | None, top_k: int
 ) -> ReplayedDecision:
@@ -238,16 +270,58 @@ def fetch_window(
         return read_window(path)
 
 
-def format_decision(d: ReplayedDecision) -> str:
+def format_decision(d: ReplayedDecision | ExactDecision, top_k: int = 3) -> str:
     """One line per request: recorded vs replayed worker, a divergence flag, the top candidates."""
+    if isinstance(d, ExactDecision) and not d.reproducible:
+        return f"UNREPRODUCIBLE {d.request_id:<24} seq={d.decision_seq:<6} {d.why}"
     flag = "DIVERGED" if d.diverged else "same    "
     top = " | ".join(
         f"{c.worker_id} ttft={c.ttft_ms:.1f} q={c.queue_ms:.1f} cached={c.cached_blocks} "
         f"fetch={c.fetch_blocks}"
-        for c in d.candidates
+        for c in d.candidates[:top_k]
     )
     replayed = d.replayed_worker or d.outcome
     return (
         f"{flag} {d.request_id:<24} now={d.now_ms:<14} recorded={d.recorded_worker or '-':<10} "
         f"replayed={replayed:<10} top: {top}"
     )
+
+
+def explain(d: ExactDecision | ReplayedDecision) -> str:
+    """Every candidate of one decision with each part of its estimate, the decision's input positions,
+    and what the request really got (its Completion), beside the recorded and replayed choices."""
+    lines = [
+        f"request {d.request_id}: recorded {d.recorded_worker or '-'}, replayed "
+        f"{d.replayed_worker or d.outcome}" + (f" ({d.reason})" if d.reason else ""),
+        f"now_ms {d.now_ms}",
+    ]
+    if isinstance(d, ExactDecision):
+        lines.append(f"scheduler {d.scheduler_id} decision_seq {d.decision_seq}; view lag {d.lag_ms} ms")
+        if not d.reproducible:
+            lines.append(f"NOT REPRODUCIBLE: {d.why}")
+        pos = ", ".join(f"{k}={v}" for k, v in sorted(d.positions.items())) or "-"
+        lines.append(f"inputs applied up to: {pos}")
+    head = (
+        f"{'worker':<12}{'ttft ms':>10}{'queue':>10}{'promote+fetch':>15}{'recompute':>11}"
+        f"{'cached':>8}{'fetch':>7}  from"
+    )
+    lines.append(head)
+    for c in d.candidates:
+        lines.append(
+            f"{c.worker_id:<12}{c.ttft_ms:>10.1f}{c.queue_ms:>10.1f}{c.transfer_ms:>15.1f}"
+            f"{c.recompute_ms:>11.1f}{c.cached_blocks:>8}{c.fetch_blocks:>7}  {c.fetch_from or '-'}"
+        )
+    if isinstance(d, ExactDecision):
+        done = d.completion
+        if done is None:
+            lines.append("outcome: no Completion in the recording")
+        else:
+            lines.append(
+                f"outcome on {done.worker_id}: ttft {done.ttft_ms:.1f} ms "
+                f"(estimated {d.recorded_ttft_ms or 0:.1f}); reused {done.reused_tokens}, "
+                f"fetched {done.fetched_tokens}, recomputed {done.recomputed_tokens} tokens"
+            )
+        if d.fetch_planned:
+            verdict = "needless: a fresher view had the blocks on a worker at least as good"
+            lines.append("fetch plan: " + (verdict if d.needless_fetch else "needed"))
+    return "\n".join(lines)

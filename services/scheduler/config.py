@@ -48,6 +48,9 @@ class SchedulerSettings(BaseSettings):
     # How long start() reads state topics up to their end before taking requests.
     catch_up_timeout_s: float = 10.0
     poll_timeout_ms: int = 20
+    # Apply the state records fetched while waiting for requests before deciding them (False: the
+    # old loop, which decided on a view that could miss them; kept to measure the difference).
+    drain_state_before_decide: bool = True
 
     @field_validator("policy")
     @classmethod

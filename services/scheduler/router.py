@@ -70,6 +70,7 @@ class Router:
     def decide(self, req: ChatRequest, now_ms: int) -> Decision:
         s = self.settings
         view = self.view
+        view.fold_speed()
         rejected = deadline_rejection(req, now_ms)
         if rejected is not None:
             return Decision(None, rejected, [], reason="deadline")

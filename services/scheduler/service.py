@@ -33,6 +33,7 @@ from schemas.messages import (
     CancelRequest,
     ChatRequest,
     Completion,
+    DecisionInputs,
     KvEvent,
     LoadReport,
     WorkerLost,
@@ -61,6 +62,9 @@ class SchedulerStats:
     cancels_forwarded: int = 0
     cancelled_queued: int = 0
     redispatched: int = 0
+    # state records applied in the drain right before a batch of decisions: records the consumer had
+    # already fetched while it waited for requests, which a decision would otherwise not have seen
+    state_applied_before_decide: int = 0
 
 
 #: Assignments remembered for re-dispatch when their worker is lost (oldest forgotten first).
@@ -91,6 +95,13 @@ class SchedulerService:
         # Assigned but not completed: re-decided if their worker is declared lost, so a worker that
         # vanishes mid-request loses no request (bounded: oldest dropped past max_tracked_inflight).
         self._assigned: dict[str, Assignment] = {}
+        # Input positions for exact replay (schemas.messages.DecisionInputs): per "topic/partition" the
+        # next offset not applied, where reading began, and what the previous decision recorded.
+        self._applied: dict[str, int] = {}
+        self._since: dict[str, int] = {}
+        self._sent: dict[str, int] = {}
+        self._batch = 0
+        self._until_full = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -116,6 +127,8 @@ class SchedulerService:
                 offsets.update({tp: off for tp, off in ends.items() if tp[0] == REPLIES.name})
             if offsets:
                 await self._state.seek(offsets)
+                # reading starts there: replies at their end, kv-events after the snapshot
+                self._since.update({f"{t}/{p}": off for (t, p), off in offsets.items()})
             await self._catch_up()
             self._requests = TypedConsumer(
                 s.kafka, [REQUESTS], GROUP_ID, from_beginning=True, dlq=self._producer
@@ -220,6 +233,13 @@ class SchedulerService:
                 requests = await self._requests.getmany(timeout_ms=poll)
                 for record in requests:
                     await self._on_request(record)
+                if self.settings.drain_state_before_decide and (requests or len(self.dispatcher)):
+                    # state that arrived while we waited for requests: decide on it, not without it
+                    late = await self._state.getmany(timeout_ms=0)
+                    for record in late:
+                        self._apply_state(record)
+                    self.stats.state_applied_before_decide += len(late)
+                    records = records or late
                 if not records and not requests and len(self.dispatcher):
                     self.now_ms = max(self.now_ms, wall_ms())
                 await self._publish(self.dispatcher.drain(self.now_ms))
@@ -236,6 +256,9 @@ class SchedulerService:
             self.now_ms = t
 
     def _apply_state(self, record: Record) -> None:
+        key = f"{record.topic}/{record.partition}"
+        self._since.setdefault(key, record.offset)
+        self._applied[key] = record.offset + 1
         msg = record.message
         self.stats.state_records += 1
         if isinstance(msg, KvEvent):
@@ -301,9 +324,13 @@ class SchedulerService:
         producer = self._producer
         assert producer is not None
         futures = []
+        inputs = self._inputs() if any(d.assignment is not None for d in decisions) else None
         for d in decisions:
             if d.assignment is not None:
-                a: Assignment = d.assignment
+                a: Assignment = dataclasses.replace(d.assignment, inputs=inputs)
+                if inputs is not None and inputs.applied:
+                    # the batch's other decisions saw the same inputs: nothing moved since
+                    inputs = dataclasses.replace(inputs, applied={}, since={}, full=False)
                 self._reply_topics.pop(a.request.request_id, None)
                 if self.settings.track_completions:
                     self._assigned[a.request.request_id] = a
@@ -318,6 +345,19 @@ class SchedulerService:
                 self.stats.rejected += 1
                 log.info("rejected %s: %s", c.request_id, c.error)
         await asyncio.gather(*futures)
+
+    def _inputs(self) -> DecisionInputs:
+        """The positions this batch of decisions saw: the partitions that moved since the previous
+        decision, or all of them (with where reading began) on the first and every FULL_EVERY-th."""
+        self._batch += 1
+        if self._until_full <= 0:
+            self._until_full = DecisionInputs.FULL_EVERY
+            self._sent = dict(self._applied)
+            return DecisionInputs(self.now_ms, dict(self._applied), dict(self._since), True, self._batch)
+        self._until_full -= 1
+        moved = {k: v for k, v in self._applied.items() if self._sent.get(k) != v}
+        self._sent.update(moved)
+        return DecisionInputs(self.now_ms, moved, {}, False, self._batch)
 
     @staticmethod
     def _reply_spec(name: str) -> TopicSpec:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,17 +100,35 @@ class SpeedEstimate:
     A decayed ratio of sums, measured over predicted prefill ms: a Completion weighs as much as its
     prefill lasted, so short prefills (mostly fixed overheads) barely move it. Clamped to [1/5, 5] so
     that one absurd report cannot take a worker out of the fleet or make it a sink.
+
+    New samples wait in plain sums and are folded in at the next decision (``fold``). Completions reach
+    the scheduler over several partitions in no set order; sums do not depend on it, so a replay that
+    applies the same records between two decisions in another order learns exactly the same factor.
     """
 
     measured_ms: float = 0.0
     predicted_ms: float = 0.0
     samples: int = 0
+    new_measured: list[float] = field(default_factory=list)
+    new_predicted: list[float] = field(default_factory=list)
 
-    def add(self, measured_ms: float, predicted_ms: float, memory: int) -> None:
-        keep = 1.0 - 1.0 / max(memory, 1)
-        self.measured_ms = self.measured_ms * keep + measured_ms
-        self.predicted_ms = self.predicted_ms * keep + predicted_ms
-        self.samples += 1
+    def add(self, measured_ms: float, predicted_ms: float) -> None:
+        self.new_measured.append(measured_ms)
+        self.new_predicted.append(predicted_ms)
+
+    def fold(self, memory: int) -> bool:
+        """Fold the new samples in (each ages the old ones by 1 - 1/memory); False: there were none."""
+        n = len(self.new_measured)
+        if not n:
+            return False
+        keep = (1.0 - 1.0 / max(memory, 1)) ** n
+        # fsum is exactly rounded, so the result does not depend on the samples' order either
+        self.measured_ms = self.measured_ms * keep + math.fsum(self.new_measured)
+        self.predicted_ms = self.predicted_ms * keep + math.fsum(self.new_predicted)
+        self.samples += n
+        self.new_measured.clear()
+        self.new_predicted.clear()
+        return True
 
     @property
     def factor(self) -> float:
@@ -156,6 +175,7 @@ class FleetView:
         self._sessions: dict[str, str] = {}  # session → worker of its last assignment
         self._worker_inflight: dict[str, int] = {}  # worker → routed, not completed (SGLang's load)
         self.speed: dict[str, SpeedEstimate] = {}  # worker → learned prefill speed (learn_speed)
+        self._speed_news: set[str] = set()  # workers with samples not yet folded in
         # router-side bookkeeping of the peers' policies, kept only when the policy reads it (track())
         self.active_blocks: ActiveBlocks | None = None
         self.routed: RoutedPrefixes | None = None
@@ -318,29 +338,41 @@ class FleetView:
         ws = self.workers.get(c.worker_id)
         if ws is None:
             return
-        learned = self.settings.learn_speed and self._learn_speed(ws, c)
-        had_pending = bool(ws.pending)
-        if had_pending:
+        if self.settings.learn_speed:
+            self._learn_speed(ws, c)
+        if ws.pending:
             ws.pending = deque(p for p in ws.pending if p.request_id != c.request_id)
             ws.pending_total_ms = sum(p.cost_ms for p in ws.pending)
-        if learned or had_pending:
             self._set_load_key(c.worker_id, ws.base_queue_ms + ws.pending_total_ms)
 
-    def _learn_speed(self, ws: WorkerState, c: Completion) -> bool:
-        """Fold one measured prefill into the worker's speed and re-price it; False: nothing learned."""
+    def _learn_speed(self, ws: WorkerState, c: Completion) -> None:
+        """Take one measured prefill as a sample of the worker's speed (folded in at the next decision)."""
         if c.error or c.prefill_ms <= 0 or c.recomputed_tokens <= 0:
-            return False
+            return
         published = PerfProfile.from_load_report(ws.report)
         predicted = recompute_ms(published, c.recomputed_tokens, c.reused_tokens + c.fetched_tokens)
         if predicted <= 0:
-            return False
+            return
         speed = self.speed.get(c.worker_id)
         if speed is None:
             speed = self.speed[c.worker_id] = SpeedEstimate()
-        speed.add(c.prefill_ms, predicted, self.settings.speed_memory)
-        ws.profile = _scaled(published, speed.factor)
-        ws.base_queue_ms = _report_queue_ms(ws.report, ws.profile)
-        return True
+        speed.add(c.prefill_ms, predicted)
+        self._speed_news.add(c.worker_id)
+
+    def fold_speed(self) -> None:
+        """Fold the samples since the last decision into each worker's speed and re-price the workers
+        whose factor moved. The router calls it before every decision."""
+        if not self._speed_news:
+            return
+        for w in sorted(self._speed_news):
+            speed = self.speed.get(w)
+            ws = self.workers.get(w)
+            if speed is None or not speed.fold(self.settings.speed_memory) or ws is None:
+                continue
+            ws.profile = _scaled(PerfProfile.from_load_report(ws.report), speed.factor)
+            ws.base_queue_ms = _report_queue_ms(ws.report, ws.profile)
+            self._set_load_key(w, ws.base_queue_ms + ws.pending_total_ms)
+        self._speed_news.clear()
 
     def worker_inflight(self, worker_id: str) -> int:
         """Requests routed to the worker and not completed (the router's own count)."""

@@ -42,6 +42,8 @@ def test_a_slow_worker_is_priced_slower_and_gets_less_work() -> None:
     for i in range(6):
         view.note_completion(_done(f"a{i}", "w-0", 500 + 100 * i, 64, factor=2.0))
         view.note_completion(_done(f"b{i}", "w-1", 500 + 100 * i, 64, factor=1.0))
+    assert view.queue_ms(view.workers["w-0"], NOW) == before  # samples wait for the next decision
+    view.fold_speed()
     assert view.speed["w-0"].factor == pytest.approx(2.0)
     assert view.speed["w-1"].factor == pytest.approx(1.0)
     assert view.queue_ms(view.workers["w-0"], NOW) == pytest.approx(2 * before, rel=0.05)
@@ -64,6 +66,7 @@ def test_errors_and_absurd_reports_are_bounded() -> None:
     view.note_completion(Completion("e", "s", "w-0", "error", 10, 0, error="boom", prefill_ms=1e9))
     assert "w-0" not in view.speed
     view.note_completion(_done("x", "w-0", 800, 0, factor=1000.0))
+    view.fold_speed()
     assert view.speed["w-0"].factor == 5.0  # clamped
 
 

@@ -271,10 +271,14 @@ def replay_exact(
     report = ExactReport(policy=policy, records=len(raw), dead=dead)
     report.gaps = [f"{k}: offsets {a}..{b - 1} missing" for k, rs in sorted(gaps.items()) for a, b in rs]
 
+    # needless fetches are judged by the recorded policy, whatever policy the replay decides with
+    recorded_policy = ordered[0][1].estimate.policy if ordered else policy
+    judge = RouterSettings(policy=recorded_policy)
+
     def new_run(sid: str) -> _Run:
         view = HeldView(block_size, view_settings)
         fresh = HeldView(block_size, view_settings)
-        return _Run(view, Router(view, settings, sid), fresh, Router(fresh, settings, sid))
+        return _Run(view, Router(view, settings, sid), fresh, Router(fresh, judge, sid))
 
     runs: dict[str, _Run] = {}
     # dispatch order: per scheduler, by decision_seq (a smaller seq than the last starts a new run)

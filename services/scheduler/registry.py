@@ -32,6 +32,10 @@ POLICIES: tuple[str, ...] = tuple(POLICY_FUNCS)
 #: The peers' routers: the baselines a user would run instead of kvmesh.
 PEER_POLICIES: tuple[str, ...] = ("dynamo", "llm_d", "sglang")
 
+#: Policies whose choice is the least estimated wait in the fleet, so that "the best worker is over
+#: max_queue_ms" means the whole fleet is: they hold requests in the scheduler (late binding).
+HOLDING_POLICIES: frozenset[str] = frozenset({"kvmesh"})
+
 
 def prepare_view(view: FleetView, policy: str) -> None:
     """Make ``view`` keep what ``policy`` reads besides the engines' reports."""

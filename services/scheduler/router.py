@@ -3,8 +3,8 @@
 ``decide`` applies, in order: the deadline (past it → rejection), the tenant's in-flight cap (→
 deferred), the live workers serving the model (none → deferred for ``no_worker_hold_ms`` after arrival,
 then rejection), the policy's ranking, and overload (best queue wait above ``max_queue_ms`` → deferred
-until ``max_hold_ms`` after arrival, then assigned anyway; not for the peers' routers, which route at
-once as their defaults do). The assignment carries the fetch plan and the
+until ``max_hold_ms`` after arrival, then assigned anyway; only for ``kvmesh``, whose choice is the
+least wait in the fleet: the baselines and the peers' routers route at once, as they do). The assignment carries the fetch plan and the
 estimate, and the router records it in the view (``note_assignment``; idempotent per request id, so a
 driver that also calls it does not double-count).
 
@@ -19,7 +19,7 @@ from schemas.messages import Assignment, ChatRequest, Completion, Estimate, Fetc
 from services.scheduler.errors import UnknownPolicy
 from services.scheduler.fairness import deadline_rejection, rejection
 from services.scheduler.policies import CandidateScore, ScoringParams
-from services.scheduler.registry import PEER_POLICIES, POLICIES, POLICY_FUNCS, prepare_view
+from services.scheduler.registry import HOLDING_POLICIES, POLICIES, POLICY_FUNCS, prepare_view
 from services.scheduler.view import FleetView
 
 __all__ = ["POLICIES", "CandidateScore", "Decision", "Router", "RouterSettings"]
@@ -32,7 +32,7 @@ class RouterSettings:
     policy: str = "kvmesh"
     # Late binding: while the best worker already has this much queued, the request waits in the
     # scheduler instead of piling on (held requests are placed later with a fresher view of caches and
-    # queues). A few seconds keeps every busy GPU fed; the peers' routers do not hold (their defaults).
+    # queues). A few seconds keeps every busy GPU fed. Only HOLDING_POLICIES hold.
     max_queue_ms: float = 2_000.0
     fetch_min_blocks: int = 1  # plan a peer fetch only for at least this many blocks
     tenant_max_inflight: int | None = None  # per-tenant cap on assigned, not yet completed requests
@@ -64,7 +64,10 @@ class Router:
         self.decision_seq = 0
         self._policy = POLICY_FUNCS[settings.policy]
         prepare_view(view, settings.policy)
-        self._holds_when_overloaded = settings.policy not in PEER_POLICIES
+        # Holding pays only when the policy's choice is the least wait in the fleet: a baseline that
+        # picks one busy worker (round robin, most cached blocks) would hold everything behind it
+        # while other workers idle. Routers that users run instead of kvmesh do not hold either.
+        self._holds_when_overloaded = settings.policy in HOLDING_POLICIES
         self._params = ScoringParams(settings.fetch_min_blocks, settings.least_loaded_k)
 
     def decide(self, req: ChatRequest, now_ms: int) -> Decision:

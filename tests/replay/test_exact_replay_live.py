@@ -81,13 +81,13 @@ def test_replay_with_the_recorded_policy_reproduces_every_live_decision(
 
 
 def test_another_policy_diverges_and_explains(recording: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result, _ = _replay(recording, capsys, "--policy", "round_robin")
-    assert result["policy"] == "round_robin" and result["unreproducible"] == 0
+    result, _ = _replay(recording, capsys, "--policy", "prefix_aware")
+    assert result["policy"] == "prefix_aware" and result["unreproducible"] == 0
     diverged = [d for d in result["decisions"] if d["diverged"]]
     assert diverged
     rid = diverged[0]["request_id"]
     capsys.readouterr()
-    assert replay_main([str(recording), "--policy", "round_robin", "--explain", rid]) == 0
+    assert replay_main([str(recording), "--policy", "prefix_aware", "--explain", rid]) == 0
     text = capsys.readouterr().out
     assert f"request {rid}: recorded {diverged[0]['recorded_worker']}" in text
     assert "inputs applied up to: " in text and f"{LOAD.name}/" in text

@@ -107,6 +107,9 @@ def test_cli_json(recording: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert out["requests"] == SPEC.users * SPEC.rounds
     assert out["divergences"] == len(out["decisions"]) > 0
     assert any(line.startswith("DIVERGED") for line in lines)
+    # a recording whose assignments carry no input positions (the simulator's, older versions)
+    assert out["mode"] == "approximate" and "no input positions" in out["note"]
+    assert "mode=approximate" in lines[-2]
 
 
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

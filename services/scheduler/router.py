@@ -4,9 +4,9 @@
 deferred), the live workers serving the model (none → deferred for ``no_worker_hold_ms`` after arrival,
 then rejection), the policy's ranking, and overload (best queue wait above ``max_queue_ms`` → deferred
 until ``max_hold_ms`` after arrival, then assigned anyway; only for ``kvmesh``, whose choice is the
-least wait in the fleet: the baselines and the peers' routers route at once, as they do). The assignment carries the fetch plan and the
-estimate, and the router records it in the view (``note_assignment``; idempotent per request id, so a
-driver that also calls it does not double-count).
+least wait in the fleet: the baselines and the peers' routers route at once, as they do). The
+assignment carries the fetch plan and the estimate, and the router records it in the view
+(``note_assignment``; idempotent per request id, so a driver that also calls it does not double-count).
 
 Deterministic: ``now_ms`` comes from the input event, ties break by worker id, no randomness.
 """

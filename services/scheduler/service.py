@@ -65,6 +65,12 @@ class SchedulerStats:
     # state records applied in the drain right before a batch of decisions: records the consumer had
     # already fetched while it waited for requests, which a decision would otherwise not have seen
     state_applied_before_decide: int = 0
+    # How stale the view was at the decisions, learned afterwards: a state record that arrives with a
+    # broker timestamp not after a batch of decisions existed when they were made but was not applied.
+    # Its time minus that batch's now_ms is the batch's lag (the replay's view_lag, measured live).
+    stale_batches: int = 0
+    view_lag_ms_max: int = 0
+    view_lag_ms_last: int = 0
 
 
 #: Assignments remembered for re-dispatch when their worker is lost (oldest forgotten first).
@@ -102,6 +108,7 @@ class SchedulerService:
         self._sent: dict[str, int] = {}
         self._batch = 0
         self._until_full = 0
+        self._decided_at = (-1, 0, False)  # last batch: (wall ms, now_ms, already counted as stale)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @property
@@ -256,6 +263,14 @@ class SchedulerService:
             self.now_ms = t
 
     def _apply_state(self, record: Record) -> None:
+        wall, now, counted = self._decided_at
+        if record.timestamp_ms <= wall:
+            lag = max(record.timestamp_ms - now, 0)
+            self.stats.view_lag_ms_last = lag
+            self.stats.view_lag_ms_max = max(self.stats.view_lag_ms_max, lag)
+            if not counted:
+                self.stats.stale_batches += 1
+                self._decided_at = (wall, now, True)
         key = f"{record.topic}/{record.partition}"
         self._since.setdefault(key, record.offset)
         self._applied[key] = record.offset + 1
@@ -325,6 +340,7 @@ class SchedulerService:
         assert producer is not None
         futures = []
         inputs = self._inputs() if any(d.assignment is not None for d in decisions) else None
+        self._decided_at = (wall_ms(), self.now_ms, False)
         for d in decisions:
             if d.assignment is not None:
                 a: Assignment = dataclasses.replace(d.assignment, inputs=inputs)

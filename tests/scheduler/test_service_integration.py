@@ -72,6 +72,12 @@ async def test_service_assigns_rejects_and_forwards_cancels(kafka_settings: Kafk
                 assert [(a.request.request_id, a.worker_id, a.reuse_blocks) for a in assigned] == [
                     ("r1", "w-1", 6)
                 ]
+                # exact replay: the first decision after a start carries every position it had applied
+                inputs = assigned[0].inputs
+                assert inputs is not None and inputs.full and inputs.batch == 1
+                assert req.arrival_ms <= inputs.now_ms <= t0 + 20  # the largest message time seen
+                assert sum(v for k, v in inputs.applied.items() if k.startswith(LOAD.name)) == 2
+                assert all(inputs.since[k] <= v for k, v in inputs.applied.items())
                 assert [(c.request_id, c.finish_reason) for c in rejected] == [("r2", "rejected")]
                 assert "deadline" in (rejected[0].error or "")
                 await prod.send(REQUESTS, CancelRequest("r1", req.session_id))

@@ -39,6 +39,7 @@ class SchedulerSettings(BaseSettings):
     # Correct each worker's published prefill speed from its Completions' measured prefill times.
     learn_speed: bool = True
     speed_memory: int = 16
+    speed_min_samples: int = 8
 
     # Cold start: load the KV manager's directory snapshot from Redis, then resume kv-events after it.
     use_snapshot: bool = True
@@ -84,4 +85,5 @@ class SchedulerSettings(BaseSettings):
             inflight_timeout_ms=self.inflight_timeout_ms,
             learn_speed=self.learn_speed,
             speed_memory=self.speed_memory,
+            speed_min_samples=self.speed_min_samples,
         )

@@ -42,6 +42,9 @@ class ViewSettings:
     # Completions, weighted by their predicted prefill time.
     learn_speed: bool = True
     speed_memory: int = 16
+    # Completions needed before the learned factor is used: a cold engine's first prefills (warm-up,
+    # compilation) are not its speed.
+    speed_min_samples: int = 8
 
 
 @dataclass(slots=True)
@@ -129,6 +132,12 @@ class SpeedEstimate:
         self.new_measured.clear()
         self.new_predicted.clear()
         return True
+
+    def factor_after(self, min_samples: int) -> float:
+        """The learned factor once ``min_samples`` samples are in (1 before)."""
+        if self.samples < min_samples or self.predicted_ms <= 0:
+            return 1.0
+        return self.factor
 
     @property
     def factor(self) -> float:
@@ -237,7 +246,7 @@ class FleetView:
         profile = PerfProfile.from_load_report(lr)
         speed = self.speed.get(lr.worker_id)
         if speed is not None:
-            profile = _scaled(profile, speed.factor)
+            profile = _scaled(profile, speed.factor_after(self.settings.speed_min_samples))
         if ws is None:
             ws = WorkerState(lr.worker_id, lr, profile, lr.report_ms, _report_queue_ms(lr, profile))
             self.workers[lr.worker_id] = ws
@@ -356,7 +365,8 @@ class FleetView:
         speed = self.speed.get(c.worker_id)
         if speed is None:
             speed = self.speed[c.worker_id] = SpeedEstimate()
-        speed.add(c.prefill_ms, predicted)
+        # one sample moves the estimate at most 4x either way (a stall, a clock hiccup)
+        speed.add(min(max(c.prefill_ms, predicted / 4), predicted * 4), predicted)
         self._speed_news.add(c.worker_id)
 
     def fold_speed(self) -> None:
@@ -369,7 +379,9 @@ class FleetView:
             ws = self.workers.get(w)
             if speed is None or not speed.fold(self.settings.speed_memory) or ws is None:
                 continue
-            ws.profile = _scaled(PerfProfile.from_load_report(ws.report), speed.factor)
+            ws.profile = _scaled(
+                PerfProfile.from_load_report(ws.report), speed.factor_after(self.settings.speed_min_samples)
+            )
             ws.base_queue_ms = _report_queue_ms(ws.report, ws.profile)
             self._set_load_key(w, ws.base_queue_ms + ws.pending_total_ms)
         self._speed_news.clear()

@@ -38,8 +38,8 @@ from typing import Any
 from kvmesh.replay.errors import ReplayError
 from schemas.codec import decode
 from schemas.errors import SchemaError
-from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
-from services.scheduler.router import CandidateScore, Router, RouterSettings
+from schemas.messages import Assignment, ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
+from services.scheduler.router import CandidateScore, Decision, Router, RouterSettings
 from services.scheduler.view import FleetView, ViewSettings
 from streams.recording import RawRecord
 from streams.topics import ASSIGNMENTS, CONTROL, KV_EVENTS, LOAD, REPLIES
@@ -57,6 +57,20 @@ class HeldView(FleetView):
     def note_assignment(self, a: Assignment, now_ms: int) -> None:
         if not self.hold:
             super().note_assignment(a, now_ms)
+
+    def decide_noting(
+        self, router: Router, req: ChatRequest, now_ms: int, recorded: Assignment | None
+    ) -> Decision:
+        """``router``'s decision on this view, then the *recorded* assignment noted (when there is one)
+        as the live router noted its own, so a what-if never changes the history later decisions see."""
+        self.hold = True
+        try:
+            d = router.decide(req, now_ms)
+        finally:
+            self.hold = False
+        if recorded is not None:
+            self.note_assignment(recorded, now_ms)
+        return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,8 +264,10 @@ def replay_exact(
     block_size: int | None = None,
     dead: int = 0,
 ) -> ExactReport:
-    """Replay ``assignments`` (with their records) over the state records of ``raw``."""
-    parts, _ = _state_records(raw)
+    """Replay ``assignments`` (with their records) over the state records of ``raw``. ``dead``: the
+    undecodable records of the other topics (the state topics' are counted here)."""
+    parts, state_dead = _state_records(raw)
+    dead += state_dead
     gaps = _gaps(parts)
     offsets = {k: sorted(recs) for k, recs in parts.items()}
     timeline = sorted((s for recs in parts.values() for s in recs.values()), key=_order)
@@ -259,11 +275,11 @@ def replay_exact(
     for s in timeline:
         if isinstance(s.message, Completion):
             completions.setdefault(s.message.request_id, s.message)
-    ordered = sorted(assignments, key=lambda ra: (ra[1].scheduler_id, ra[0].offset))
+    first = assignments[0][1] if assignments else None
     if policy is None:
-        policy = ordered[0][1].estimate.policy if ordered else "kvmesh"
+        policy = first.estimate.policy if first is not None else "kvmesh"
     if block_size is None:
-        block_size = ordered[0][1].request.block_size if ordered else 16
+        block_size = first.request.block_size if first is not None else 16
     try:
         settings = RouterSettings(**{**(router_overrides or {}), "policy": policy})
     except TypeError as exc:
@@ -272,7 +288,7 @@ def replay_exact(
     report.gaps = [f"{k}: offsets {a}..{b - 1} missing" for k, rs in sorted(gaps.items()) for a, b in rs]
 
     # needless fetches are judged by the recorded policy, whatever policy the replay decides with
-    recorded_policy = ordered[0][1].estimate.policy if ordered else policy
+    recorded_policy = first.estimate.policy if first is not None else policy
     judge = RouterSettings(policy=recorded_policy)
 
     def new_run(sid: str) -> _Run:
@@ -358,18 +374,20 @@ def _replay_one(
         _lag(parts, offsets, positions, run.since, rec.timestamp_ms, now) if run.positions is not None else 0
     )
     # 2. decide on the exact view, 3. note the recorded assignment
-    d = _decide(run.router, run.view, a, now)
+    run.router.decision_seq = a.decision_seq - 1
+    d = run.view.decide_noting(run.router, a.request, now, a)
     fetch_planned = bool(a.fetch)
     needless = False
     if fetch_planned:
-        f = _decide(run.fresh_router, run.fresh, a, now, note=False)
+        f = run.fresh.decide_noting(run.fresh_router, a.request, now, a)
         best = f.candidates[0] if f.candidates else None
         needless = (
             best is not None
             and best.fetch_blocks == 0
             and best.cached_blocks >= a.reuse_blocks + sum(len(p.block_hashes) for p in a.fetch)
         )
-    run.fresh.note_assignment(a, now)
+    else:
+        run.fresh.note_assignment(a, now)
     out = d.assignment
     return ExactDecision(
         request_id=a.request.request_id,
@@ -411,18 +429,6 @@ def _lag(
             if ts <= at_ms and (newest is None or ts > newest):
                 newest = ts
     return 0 if newest is None else max(newest - now, 0)
-
-
-def _decide(router: Router, view: HeldView, a: Assignment, now: int, note: bool = True) -> Any:
-    view.hold = True
-    try:
-        router.decision_seq = a.decision_seq - 1
-        d = router.decide(a.request, now)
-    finally:
-        view.hold = False
-    if note:
-        view.note_assignment(a, now)
-    return d
 
 
 def assignment_records(raw: list[RawRecord]) -> tuple[list[tuple[RawRecord, Assignment]], int]:

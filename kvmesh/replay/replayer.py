@@ -33,29 +33,26 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.replay.errors import ReplayError
-from kvmesh.replay.exact import ExactDecision, ExactReport, assignment_records, has_inputs, replay_exact
+from kvmesh.replay.exact import (
+    STATE_TOPICS,
+    ExactDecision,
+    ExactReport,
+    HeldView,
+    assignment_records,
+    has_inputs,
+    replay_exact,
+)
 from schemas.codec import decode
 from schemas.errors import SchemaError
 from schemas.messages import Assignment, ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.router import CandidateScore, Router, RouterSettings
-from services.scheduler.view import FleetView, ViewSettings
+from services.scheduler.view import ViewSettings
 from streams.recording import RawRecord, read_recording, record_topics
 from streams.settings import KafkaSettings
 from streams.topics import ASSIGNMENTS, REQUESTS, TopicSpec
 
 #: Sort rank of a topic among records with equal timestamps: state first, then requests, then outputs.
 _TOPIC_RANK = {REQUESTS.name: 1, ASSIGNMENTS.name: 2}
-
-
-class _ReplayView(FleetView):
-    """A FleetView whose router-side ``note_assignment`` can be held back, so that the replayer notes
-    the recorded assignment instead. Invariant: while ``hold`` is set, nothing is noted."""
-
-    hold: bool = False
-
-    def note_assignment(self, a: Assignment, now_ms: int) -> None:
-        if not self.hold:
-            super().note_assignment(a, now_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +149,7 @@ def replay(
         policy = first.estimate.policy if first is not None else "kvmesh"
     if block_size is None:
         block_size = first_request.block_size if first_request is not None else 16
-    view = _ReplayView(block_size, view_settings)
+    view = HeldView(block_size, view_settings)
     try:
         settings = RouterSettings(**{**(router_overrides or {}), "policy": policy})
     except TypeError as exc:
@@ -199,9 +196,10 @@ def replay_any(
     assignments, dead = assignment_records(raw)
     if not has_inputs([a for _, a in assignments]):
         return replay(raw, policy, router_overrides, view_settings, block_size, top_k)
+    # state records are decoded (and their dead counted) by the exact replay itself; requests only here
     others_dead = 0
     for r in raw:
-        if r.topic != ASSIGNMENTS.name:
+        if r.topic != ASSIGNMENTS.name and r.topic not in STATE_TOPICS:
             try:
                 decode(r.value)
             except SchemaError:
@@ -212,15 +210,9 @@ def replay_any(
 
 
 def _decide(
-    router: Router, view: _ReplayView, req: ChatRequest, now: int, rec: Assignment | None, top_k: int
+    router: Router, view: HeldView, req: ChatRequest, now: int, rec: Assignment | None, top_k: int
 ) -> ReplayedDecision:
-    view.hold = True
-    try:
-        d = router.decide(req, now)
-    finally:
-        view.hold = False
-    if rec is not None:
-        view.note_assignment(rec, now)
+    d = view.decide_noting(router, req, now, rec)
     a = d.assignment
     outcome = "assigned" if a is not None else ("deferred" if d.deferred else "rejected")
     return ReplayedDecision(

@@ -55,7 +55,7 @@ from __future__ import annotations
 import zlib
 
 from schemas.messages import ChatRequest
-from services.scheduler.policies import CandidateScore, ScoringParams, holders, score_set
+from services.scheduler.policies import CandidateScore, Holder, ScoringParams, holders, score_set
 from services.scheduler.view import FleetView
 
 # Dynamo's defaults (KvRouterConfig)
@@ -82,14 +82,15 @@ def tie_key(request_id: str, worker_id: str) -> int:
 
 
 def _ranked(
-    view: FleetView, req: ChatRequest, now_ms: int, order: list[str], params: ScoringParams
+    view: FleetView,
+    req: ChatRequest,
+    now_ms: int,
+    order: list[str],
+    params: ScoringParams,
+    found: list[Holder],
 ) -> list[CandidateScore]:
     """kvmesh's estimates of the peer's first choices, in the peer's order (fetch never planned)."""
-    return score_set(view, req, now_ms, order[:SCORED], holders(view, req, now_ms), params, allow_fetch=False)
-
-
-def _overlaps(view: FleetView, req: ChatRequest, now_ms: int) -> dict[str, list[int]]:
-    return {h.ws.worker_id: h.counts for h in holders(view, req, now_ms)}
+    return score_set(view, req, now_ms, order[:SCORED], found, params, allow_fetch=False)
 
 
 def dynamo(
@@ -98,7 +99,8 @@ def dynamo(
     """NVIDIA Dynamo's KV router: least prefill-plus-decode block cost (see the module docstring)."""
     bs = req.block_size
     isl = len(req.token_ids)
-    overlaps = _overlaps(view, req, now_ms)
+    found = holders(view, req, now_ms)
+    overlaps = {h.ws.worker_id: h.counts for h in found}
     active = view.active_blocks
     hashes = req.block_hashes
     dev_w, host_w, disk_w = DYNAMO_TIER_CREDIT
@@ -112,7 +114,7 @@ def dynamo(
         decode = 0 if active is None else active.active(w) + active.new_blocks(w, hashes)
         keyed.append((prefill + decode, tie_key(req.request_id, w), w))
     keyed.sort()
-    return _ranked(view, req, now_ms, [w for _, _, w in keyed], params)
+    return _ranked(view, req, now_ms, [w for _, _, w in keyed], params, found)
 
 
 def _kv_usage(view: FleetView, w: str) -> float:
@@ -128,7 +130,8 @@ def llm_d(
 ) -> list[CandidateScore]:
     """llm-d's precise prefix-cache scheduling: weighted prefix, KV usage and queue scores."""
     total = len(req.token_ids) // req.block_size
-    overlaps = _overlaps(view, req, now_ms)
+    found = holders(view, req, now_ms)
+    overlaps = {h.ws.worker_id: h.counts for h in found}
     queues = {w: view.workers[w].report.queue_depth for w in live}
     q_min = min(queues.values())
     q_max = max(queues.values())
@@ -144,7 +147,7 @@ def llm_d(
         score = wp * prefix + wk * (1.0 - _kv_usage(view, w)) + wq * queue
         keyed.append((-score, tie_key(req.request_id, w), w))
     keyed.sort()
-    return _ranked(view, req, now_ms, [w for _, _, w in keyed], params)
+    return _ranked(view, req, now_ms, [w for _, _, w in keyed], params, found)
 
 
 def sglang(
@@ -162,4 +165,4 @@ def sglang(
         if tenant is not None and n_tok and depth * req.block_size / n_tok > SGLANG_CACHE_THRESHOLD:
             choice = tenant
     order = [choice, *sorted((w for w in live if w != choice), key=lambda w: (loads[w], w))]
-    return _ranked(view, req, now_ms, order, params)
+    return _ranked(view, req, now_ms, order, params, holders(view, req, now_ms))

@@ -39,10 +39,18 @@ SPECIAL_TOKENS = (
     "<|tool|>",
 )
 
-#: HF-style Jinja chat template (variables: messages, add_generation_prompt, bos_token).
+#: HF-style Jinja chat template (variables: messages, tools, add_generation_prompt, bos_token). Tools
+#: render as a system turn that teaches the Hermes call format; without tools (and without tool calls
+#: in the history) the output is the plain prefix-stable one.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{{ bos_token }}{% if tools %}{{ '<|system|>You may call these tools: ' }}{{ tools | tojson }}{{ "
+    '\' To call one, answer <tool_call>{"name": NAME, "arguments": ARGUMENTS}</tool_call>.<|end|>\' }}'
+    "{% endif %}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{ call['arguments'] + '}</tool_call>' }}"
+    "{% endfor %}{{ '<|end|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 

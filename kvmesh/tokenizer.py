@@ -19,13 +19,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
+    #: An assistant turn's tool calls: (function name, arguments as JSON text).
+    tool_calls: tuple[tuple[str, str], ...] = ()
 
 
 class Tokenizer(Protocol):
@@ -116,11 +118,29 @@ class HFTokenizer:
         )
         self._vocab = vocab
 
-    def render_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (Hugging Face's ``tools`` variable)."""
+        return bool(self.chat_template) and "tools" in (self.chat_template or "")
+
+    def render_template(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of ``messages`` through the model's chat template (special tokens parsed)."""
         assert self.chat_template is not None
         text = _compiled_template(self.chat_template).render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[
+                {
+                    "role": m.role,
+                    "content": m.content,
+                    "tool_calls": [{"name": n, "arguments": a} for n, a in m.tool_calls],
+                }
+                for m in messages
+            ],
+            tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_text or "",
             eos_token=self.end_text or "",
@@ -172,13 +192,23 @@ def _compiled_template(source: str):  # type: ignore[no-untyped-def]
     return env.from_string(source)
 
 
+def supports_tools(tok: Tokenizer) -> bool:
+    return isinstance(tok, HFTokenizer) and tok.supports_tools
+
+
 def render_chat(
-    tok: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    tok: Tokenizer,
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render chat messages to prompt tokens: the model's own chat template when its tokenizer has
-    one, else the prefix-stable template above."""
+    one, else the prefix-stable template above. Tools, and tool calls in the history, need a template
+    that renders them (ValueError otherwise: dropping them would silently change the prompt)."""
+    if (tools or any(m.tool_calls for m in messages)) and not supports_tools(tok):
+        raise ValueError("this model's chat template does not render tools")
     if isinstance(tok, HFTokenizer) and tok.chat_template:
-        return tok.render_template(messages, add_generation_prompt)
+        return tok.render_template(messages, add_generation_prompt, tools)
     ids = [tok.bos_id]
     for m in messages:
         ids += tok.role_ids(m.role)

@@ -22,19 +22,89 @@ TIERS: tuple[str, ...] = ("gpu", "dram", "disk")
 FinishReason = Literal["stop", "length", "error", "rejected", "cancelled"]
 
 
+#: Bounds of the sampling fields (OpenAI's, where it has one): what a worker will run.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+
+#: What every kvmesh engine honours: the intake accepts these fields whatever engine serves a model.
+BASE_FEATURES: tuple[str, ...] = ("stop", "logprobs", "penalties", "seed", "min_tokens", "ignore_eos")
+#: What some engines add (vLLM's structured output decoding; tool calls forced by a JSON schema).
+OPTIONAL_FEATURES: tuple[str, ...] = ("json_object", "json_schema", "tools")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """Constrain the output to a grammar: ``json_object`` (any JSON object) or ``json_schema``
+    (``schema`` holds the JSON Schema as JSON text, so the wire type stays flat)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable."""
+    """How to pick each next token. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable.
+
+    The penalties are OpenAI's (presence, frequency: over the generated tokens) and vLLM's
+    (repetition: over prompt and output, logits above 0 divided by it, below 0 multiplied).
+    ``min_tokens`` tokens come before any stop token or stop string may end the output; ``ignore_eos``
+    keeps generating past the model's end tokens. ``logprobs`` asks for each chosen token's log
+    probability and that many top alternatives (None: none), from the model's raw distribution.
+    ``stop`` strings are matched on the detokenized output; the match and what follows are not output.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 10.0:
             raise ValueError("temperature must be in [0, 10]")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError("repetition_penalty must be in (0, 10]")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must not be negative")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def features(self) -> set[str]:
+        """The engine features a request with these parameters needs (BASE_FEATURES + OPTIONAL_FEATURES)."""
+        need: set[str] = set()
+        if self.stop:
+            need.add("stop")
+        if self.logprobs is not None:
+            need.add("logprobs")
+        if self.penalized:
+            need.add("penalties")
+        if self.min_tokens:
+            need.add("min_tokens")
+        if self.ignore_eos:
+            need.add("ignore_eos")
+        if self.structured is not None:
+            need.add(self.structured.kind)
+        return need
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +237,17 @@ class Assignment:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log probability of one generated token and of the ``top_ids`` most likely alternatives
+    (most likely first), from the model's distribution before temperature, penalties and masks."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class TokenChunk:
     """Newly generated tokens of one request, in order (``index`` is the first token's position)."""
 
@@ -178,6 +259,8 @@ class TokenChunk:
     index: int
     token_ids: list[int]
     text: str = ""
+    #: One entry per token of ``token_ids`` when the request asked for logprobs, else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +374,10 @@ class LoadReport:
     # already before them + half the new ones), so the scheduler prices the queue as recompute_ms does
     # (kvmesh.costmodel.prefill_ctx). 0: not reported; the scheduler then assumes no cached context.
     queued_prefill_ctx_tokens: float = 0.0
+    #: What the engine honours of a request's sampling fields (BASE_FEATURES + OPTIONAL_FEATURES):
+    #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which
+    #: honoured none of them.
+    features: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

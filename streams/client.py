@@ -351,11 +351,19 @@ class KvmeshClient:
         request_id: str | None = None,
         stop_token_ids: Sequence[int] = (),
         arrival_ms: int | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> ChatRequest:
-        """Tokenize (or take ``token_ids``) and hash a prompt into a ChatRequest for ``tenant``."""
+        """Tokenize (or take ``token_ids``) and hash a prompt into a ChatRequest for ``tenant``.
+
+        ``tools`` (OpenAI function definitions) are rendered by the model's chat template; ValueError
+        when it has none that renders them, as for any prompt that cannot be built."""
         if (messages is None) == (token_ids is None):
             raise ValueError("give exactly one of messages or token_ids")
-        ids = list(token_ids) if token_ids is not None else render_chat(self.tokenizer, list(messages or ()))
+        ids = (
+            list(token_ids)
+            if token_ids is not None
+            else render_chat(self.tokenizer, list(messages or ()), tools=tools)
+        )
         _, public_tokens = self.match_public_prefix(ids)
         namespace = tenant_namespace(tenant)
         return ChatRequest(

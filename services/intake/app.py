@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.runtime import tune_gc
 from kvmesh.tokenizer import Tokenizer
@@ -56,6 +57,15 @@ def create_app(
         if service is not None:
             service.metrics.requests.labels(exc.code or "error").inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and methods answer in OpenAI's error shape too: clients parse only that.
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     for router in ROUTERS:
         app.include_router(router)

@@ -33,6 +33,11 @@ class IntakeSettings(BaseSettings):
     max_inflight: int = Field(default=64, gt=0)
     retry_after_s: int = 1
     request_timeout_s: float = Field(default=60.0, gt=0)
+    # Choices per request (``n``) and in all (legacy batches: prompts x n); each is a fleet request.
+    max_n: int = Field(default=8, gt=0)
+    max_choices: int = Field(default=32, gt=0)
+    # A worker whose LoadReport is older than this no longer counts for what the model supports.
+    worker_live_s: float = Field(default=10.0, gt=0)
     tenant_max_prompt_tokens: dict[str, int] = Field(default_factory=dict)
     # Explicit and empty by default: blocks are shared across tenants only for prompts named here.
     public_prefixes: dict[str, str] = Field(default_factory=dict)

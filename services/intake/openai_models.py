@@ -1,8 +1,8 @@
-"""HTTP models of the OpenAI chat completions API (the subset kvmesh serves) and response builders.
+"""HTTP models of the OpenAI chat and legacy completions APIs (what kvmesh honours of them).
 
-Request bodies are validated here once and converted to wire types (``ChatMessage``,
-``SamplingParams``) at the boundary; responses are plain dicts in the OpenAI shape plus one extension
-field, ``kvmesh``, that says how the prompt was served.
+Request bodies are validated here once; :mod:`services.intake.field_policy` refuses every field a
+model here does not declare (a field accepted and then ignored would be silently wrong output), and
+:mod:`services.intake.sampling_fields` turns what is declared into wire types.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvmesh.tokenizer import ChatMessage
-from schemas.messages import Completion
+from schemas.messages import MAX_TOP_LOGPROBS
 
 #: Roles the chat template renders ("developer" is the newer name of "system").
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -25,11 +24,30 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier tool call, sent back in the history."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, … are accepted and not used
+    model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -45,107 +63,101 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    """The body of ``POST /v1/chat/completions``; unknown fields are ignored, as OpenAI SDKs send many."""
-
+class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(BaseModel):
+    """The fields both endpoints share: sampling, limits, streaming, sessions."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
     model: str
-    messages: list[Message]
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # vLLM's extensions, which benchmark clients send.
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    response_format: ResponseFormat | None = None
+    # OpenAI's cache routing key: kvmesh's session hint when given.
+    prompt_cache_key: str | None = None
 
-    def chat_messages(self) -> list[ChatMessage]:
-        return [ChatMessage(m.role, m.text()) for m in self.messages]
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-FinishReason = Literal["stop", "length"]
+class CompletionRequest(SamplingFields):
+    """The body of the legacy ``POST /v1/completions``: one prompt or a batch of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = None
+    best_of: int | None = Field(None, ge=1)
 
 
-def kvmesh_extension(c: Completion, request_id: str, session_id: str) -> dict[str, Any]:
-    """The ``kvmesh`` field: where and how the prompt was served."""
-    return {
-        "request_id": request_id,
-        "session_id": session_id,
-        "worker": c.worker_id,
-        "reused_tokens": c.reused_tokens,
-        "fetched_tokens": c.fetched_tokens,
-        "recomputed_tokens": c.recomputed_tokens,
-        "ttft_ms": c.ttft_ms,
-        "fallback": c.fallback,
-    }
-
-
-def usage(c: Completion) -> dict[str, Any]:
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": c.reused_tokens + c.fetched_tokens},
-    }
-
-
-def openai_finish_reason(c: Completion) -> FinishReason:
-    return "length" if c.finish_reason == "length" else "stop"
-
-
-def completion_body(
-    *, completion_id: str, created: int, model: str, text: str, c: Completion, session_id: str
-) -> dict[str, Any]:
-    """A full ``chat.completion`` object."""
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": openai_finish_reason(c),
-                "logprobs": None,
-            }
-        ],
-        "usage": usage(c),
-        "kvmesh": kvmesh_extension(c, c.request_id, session_id),
-    }
-
-
-def chunk_body(
-    *,
-    completion_id: str,
-    created: int,
-    model: str,
-    delta: dict[str, Any],
-    finish_reason: str | None = None,
-    choices: bool = True,
-) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``choices=False`` gives the usage-only final chunk."""
-    body: dict[str, Any] = {
-        "id": completion_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-        if choices
-        else [],
-    }
-    return body
-
-
-def models_body(model: str, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvmesh"}],
-    }
+FinishReason = Literal["stop", "length", "tool_calls"]

@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
+import uuid
 from collections.abc import Iterator
 from types import TracebackType
 
-from kvmesh.tokenizer import Tokenizer, load_tokenizer
-from schemas.messages import ChatRequest, SamplingParams
+from kvmesh.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
+from schemas.messages import BASE_FEATURES, ChatRequest, SamplingParams, StructuredOutput
 from services.intake.auth import ApiKeyTable
+from services.intake.capabilities import FeatureBoard, FeatureFeed
 from services.intake.config import IntakeSettings
 from services.intake.errors import (
     ContextTooLong,
@@ -25,7 +28,20 @@ from services.intake.errors import (
     ServiceUnavailable,
 )
 from services.intake.metrics import IntakeMetrics
-from services.intake.openai_models import ROLES, ChatCompletionRequest
+from services.intake.openai_models import (
+    ROLES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from services.intake.sampling_fields import (
+    FEATURE_PARAMS,
+    LEGACY_DEFAULT_MAX_TOKENS,
+    Prepared,
+    completion_prompts,
+    structured_output,
+)
+from services.intake.tools import ToolPlan, plan_tools, template_messages
 from streams.client import KvmeshClient, RequestHandle
 
 log = logging.getLogger("kvmesh.intake")
@@ -49,15 +65,23 @@ class IntakeService:
             model=settings.model_name,
         )
         self.in_flight = 0
+        self.features = FeatureBoard(live_s=settings.worker_live_s)
+        self._feed = FeatureFeed(settings.kafka, self.features)
 
     def __repr__(self) -> str:
         return f"IntakeService(intake_id={self.settings.intake_id!r}, in_flight={self.in_flight})"
 
     async def start(self) -> None:
         await self.client.start()
+        try:
+            await self._feed.start()
+        except BaseException:
+            await self.client.stop()
+            raise
         log.info("intake %s connected to the fleet", self.settings.intake_id)
 
     async def stop(self) -> None:
+        await self._feed.stop()
         await self.client.stop()
 
     async def __aenter__(self) -> IntakeService:
@@ -87,11 +111,9 @@ class IntakeService:
             self.metrics.in_flight.set(self.in_flight)
 
     # -- validation -------------------------------------------------------------------------------
-    def prepare(self, body: ChatCompletionRequest, *, tenant: str, session_hint: str | None) -> ChatRequest:
-        """Check ``body`` against the deployment's limits and build the ChatRequest for ``tenant``."""
-        s = self.settings
-        if body.model != s.model_name:
-            raise ModelNotFound(f"The model '{body.model}' does not exist.", param="model")
+    def prepare_chat(self, body: ChatCompletionRequest, *, tenant: str, session_hint: str | None) -> Prepared:
+        """Check a chat body against the deployment and build its ChatRequests (one per choice)."""
+        self._check_model(body.model)
         if not body.messages:
             raise InvalidRequest("'messages' must contain at least one message.", param="messages")
         for i, m in enumerate(body.messages):
@@ -100,52 +122,213 @@ class IntakeService:
                     f"Invalid role '{m.role}' in messages[{i}]; expected one of {', '.join(ROLES)}.",
                     param=f"messages[{i}].role",
                 )
-        if body.n not in (None, 1):
-            raise InvalidRequest("Only n=1 is supported.", param="n")
-        if body.stop:
-            raise InvalidRequest("'stop' sequences are not supported.", param="stop")
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text":
+                    raise InvalidRequest(
+                        f"Content parts of type '{part.type}' are not supported; this model reads text.",
+                        param=f"messages[{i}].content[{j}].type",
+                        code="unsupported_value",
+                    )
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+        tools = plan_tools(body)
+        if tools is not None and not supports_tools(self.tokenizer):
+            raise InvalidRequest(
+                f"'tools' are not supported: the chat template of {body.model} does not render them.",
+                param="tools",
+                code="unsupported_parameter",
+            )
+        structured = structured_output(body.response_format)
+        if tools is not None and tools.structured() is not None:
+            if structured is not None:
+                raise InvalidRequest(
+                    "'response_format' cannot be combined with a 'tool_choice' that forces a call.",
+                    param="response_format",
+                )
+            structured = tools.structured()
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        sampling = self._sampling(body, logprobs, structured, tools is not None)
+        try:
+            messages = [
+                ChatMessage(role, text, tuple(calls)) for role, text, calls in template_messages(body)
+            ]
+            ids = render_chat(self.tokenizer, messages, tools=tools.tools if tools is not None else None)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="messages") from None
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        return self._build(
+            body,
+            [ids],
+            sampling,
+            tenant=tenant,
+            session_hint=session_hint,
+            max_tokens_param=param,
+            default_max_tokens=self.settings.default_max_tokens,
+            tools=tools,
+        )
+
+    def prepare_completion(
+        self, body: CompletionRequest, *, tenant: str, session_hint: str | None
+    ) -> Prepared:
+        """Check a legacy completions body and build its ChatRequests (prompts x n choices)."""
+        self._check_model(body.model)
+        if body.best_of not in (None, 1, body.n or 1):
+            raise InvalidRequest(
+                "'best_of' other than n is not supported.", param="best_of", code="unsupported_value"
+            )
+        if body.echo and body.logprobs is not None:
+            raise InvalidRequest(
+                "'echo' with 'logprobs' needs prompt logprobs, which kvmesh does not compute.",
+                param="echo",
+                code="unsupported_value",
+            )
+        prompts = completion_prompts(body.prompt, self.tokenizer)
+        structured = structured_output(body.response_format)
+        sampling = self._sampling(body, body.logprobs, structured, False)
+        return self._build(
+            body,
+            prompts,
+            sampling,
+            tenant=tenant,
+            session_hint=session_hint,
+            max_tokens_param="max_tokens",
+            default_max_tokens=LEGACY_DEFAULT_MAX_TOKENS,
+            tools=None,
+            echo=bool(body.echo),
+        )
+
+    def _check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise ModelNotFound(f"The model '{model}' does not exist.", param="model")
         if not self.client.started:
             raise ServiceUnavailable("The intake is not connected to the fleet.")
 
+    def _sampling(
+        self,
+        body: SamplingFields,
+        logprobs: int | None,
+        structured: StructuredOutput | None,
+        tools: bool,
+    ) -> SamplingParams:
+        s = self.settings
         try:
-            request = self.client.build_request(
-                body.chat_messages(),
-                session_id=self._session_id(tenant, session_hint),
-                tenant=tenant,
-                max_tokens=1,  # replaced below once the prompt length is known
-                sampling=SamplingParams(
-                    temperature=s.default_temperature if body.temperature is None else body.temperature,
-                    top_p=1.0 if body.top_p is None else body.top_p,
-                    seed=body.seed,
-                ),
+            sampling = SamplingParams(
+                temperature=s.default_temperature if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_tokens=body.min_tokens or 0,
+                ignore_eos=bool(body.ignore_eos),
+                logprobs=logprobs,
+                stop=body.stop_list(),
+                structured=structured,
             )
         except ValueError as exc:
-            raise InvalidRequest(str(exc), param="messages") from None
+            raise InvalidRequest(f"Invalid value for 'stop': {exc}.", param="stop") from None
+        need = sampling.features() | ({"tools"} if tools else set())
+        self._check_features(body.model, need)
+        return sampling
 
-        prompt = len(request.token_ids)
-        limit = s.tenant_max_prompt_tokens.get(tenant)
-        if limit is not None and prompt > limit:
-            raise ContextTooLong(
-                f"The prompt has {prompt} tokens; this tenant's limit is {limit}.", param="messages"
+    def _check_features(self, model: str, need: set[str]) -> None:
+        """Refuse what the engines serving ``model`` do not honour (see capabilities.FeatureBoard)."""
+        if not need:
+            return
+        have = self.features.features(model, time.monotonic())
+        if have is None:
+            if need <= set(BASE_FEATURES):
+                return  # every kvmesh engine honours these; a worker that comes up will too
+            raise ServiceUnavailable(
+                f"No worker of {model} has announced what it supports yet; retry shortly.",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
             )
-        room = s.max_context - prompt
-        wanted = body.requested_max_tokens()
-        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        if wanted is not None and wanted > room:
-            raise ContextTooLong(
-                f"This model's maximum context length is {s.max_context} tokens. However, you requested "
-                f"{prompt + wanted} tokens ({prompt} in the messages, {wanted} in the completion).",
+        missing = sorted(need - have)
+        if missing:
+            engines = ", ".join(self.features.engines(model, time.monotonic()))
+            param = FEATURE_PARAMS.get(missing[0], missing[0])
+            raise InvalidRequest(
+                f"'{param}' is not supported by the engine serving {model} ({engines}).",
                 param=param,
+                code="unsupported_parameter",
             )
-        if room < 1:
-            raise ContextTooLong(
-                f"This model's maximum context length is {s.max_context} tokens; the messages have {prompt}.",
-                param="messages",
+
+    def _build(
+        self,
+        body: SamplingFields,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        *,
+        tenant: str,
+        session_hint: str | None,
+        max_tokens_param: str,
+        default_max_tokens: int,
+        tools: ToolPlan | None,
+        echo: bool = False,
+    ) -> Prepared:
+        s = self.settings
+        n = body.n or 1
+        if n > s.max_n:
+            raise InvalidRequest(f"'n' must be at most {s.max_n}.", param="n", code="unsupported_value")
+        if n * len(prompts) > s.max_choices:
+            raise InvalidRequest(
+                f"{len(prompts)} prompts x n={n} exceeds the limit of {s.max_choices} choices.",
+                param="n",
             )
-        max_tokens = wanted if wanted is not None else min(s.default_max_tokens, room)
-        # The fleet drops work nobody will wait for: the deadline is the intake's own timeout.
-        deadline_ms = request.arrival_ms + int(s.request_timeout_s * 1000)
-        return dataclasses.replace(request, max_tokens=max_tokens, deadline_ms=deadline_ms)
+        base = uuid.uuid4().hex
+        session = self._session_id(tenant, session_hint or body.prompt_cache_key)
+        wanted = body.requested_max_tokens()
+        limit = s.tenant_max_prompt_tokens.get(tenant)
+        requests: list[ChatRequest] = []
+        for p, ids in enumerate(prompts):
+            prompt = len(ids)
+            if limit is not None and prompt > limit:
+                raise ContextTooLong(
+                    f"The prompt has {prompt} tokens; this tenant's limit is {limit}.", param="messages"
+                )
+            room = s.max_context - prompt
+            if wanted is not None and wanted > room:
+                raise ContextTooLong(
+                    f"This model's maximum context length is {s.max_context} tokens. However, you "
+                    f"requested {prompt + wanted} tokens ({prompt} in the prompt, {wanted} in the "
+                    "completion).",
+                    param=max_tokens_param,
+                )
+            if room < 1:
+                raise ContextTooLong(
+                    f"This model's maximum context length is {s.max_context} tokens; the prompt has "
+                    f"{prompt}.",
+                    param="messages",
+                )
+            max_tokens = wanted if wanted is not None else min(default_max_tokens, room)
+            for i in range(n):
+                k = p * n + i
+                # Choices of one prompt differ by seed (OpenAI: n samples, not n copies).
+                seed = None if sampling.seed is None else sampling.seed + i
+                try:
+                    req = self.client.build_request(
+                        token_ids=ids,
+                        session_id=session,
+                        tenant=tenant,
+                        max_tokens=max_tokens,
+                        sampling=dataclasses.replace(sampling, seed=seed),
+                        request_id=base if n * len(prompts) == 1 else f"{base}-{k}",
+                        stop_token_ids=[self.tokenizer.end_id],
+                    )
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), param="prompt") from None
+                session = req.session_id  # one session for every choice (they share the prompt)
+                # The fleet drops work nobody will wait for: the deadline is the intake's own timeout.
+                deadline_ms = req.arrival_ms + int(s.request_timeout_s * 1000)
+                requests.append(dataclasses.replace(req, deadline_ms=deadline_ms))
+        return Prepared(
+            id=base,
+            requests=requests,
+            prompt_count=len(prompts),
+            n=n,
+            tools=tools,
+            echo=[self.tokenizer.decode(ids) for ids in prompts] if echo else [],
+        )
 
     @staticmethod
     def _session_id(tenant: str, hint: str | None) -> str | None:

@@ -34,7 +34,7 @@ from torch import Tensor
 from kvmesh.costmodel import PerfProfile, prefill_ctx
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
-from schemas.messages import KvEvent
+from schemas.messages import BASE_FEATURES, KvEvent, TokenLogprob
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
@@ -42,7 +42,7 @@ from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.kv_layout import BlockLayout
 from services.worker.model import LlamaModel, build_model
 from services.worker.model_configs import get_config
-from services.worker.sampling import allowed_mask, sample
+from services.worker.sampling import History, allowed_mask, sample
 from services.worker.weights import load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -93,10 +93,17 @@ class _Seq:
     fallback: str | None = None
     started: float = 0.0
     output: list[int] = field(default_factory=list)
+    hist: History | None = None  # only when the request has penalties
 
     @property
     def prefilling(self) -> bool:
         return self.n_computed < self.prompt_len
+
+    def banned(self) -> list[int]:
+        """End tokens may not be chosen before ``min_tokens`` tokens (vLLM's rule)."""
+        if len(self.output) < self.req.sampling.min_tokens:
+            return list(self.req.stop_token_ids)
+        return []
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -179,6 +186,11 @@ class Engine:
     def block_bytes(self) -> int:
         return self.layout.nbytes
 
+    @property
+    def features(self) -> tuple[str, ...]:
+        # No grammar-constrained decoding: structured output and tool calls are vLLM's.
+        return BASE_FEATURES
+
     def describe(self) -> str:
         return f"builtin engine, model {self.model_cfg.name}, layout {self.layout.describe()}"
 
@@ -205,7 +217,7 @@ class Engine:
         """Queue a request; raises RequestRejected when it can never run here."""
         bs = self.layout.block_size
         n = len(req.token_ids)
-        ids = check_request(req, bs, self.max_context, self.model_cfg.vocab_size)
+        ids = check_request(req, bs, self.max_context, self.model_cfg.vocab_size, self.features)
         if -(-(n + 1) // bs) > self.kv.pool.num_blocks:
             raise RequestRejected(
                 f"request {req.request_id}: prompt needs more KV blocks than the GPU tier has "
@@ -229,6 +241,7 @@ class Engine:
             max_tokens=min(req.max_tokens, self.max_context - n),
             hashes=list(expect),
             gen=torch.Generator().manual_seed(seed),
+            hist=History(ids.tolist(), self.model_cfg.vocab_size) if req.sampling.penalized else None,
         )
         with self._lock:
             if any(s.req.request_id == req.request_id for s in self._waiting + self._running):
@@ -309,7 +322,7 @@ class Engine:
                 continue
             if s.prefilling:
                 continue
-            tok = sample(logits, s.req.sampling, s.gen, self._mask)
+            tok, lp = sample(logits, s.req.sampling, s.gen, self._mask, s.hist, s.banned())
             stats = RequestStats(
                 prompt_tokens=s.prompt_len,
                 reused_tokens=s.reused_blocks * self.layout.block_size,
@@ -318,7 +331,7 @@ class Engine:
                 promoted_blocks=s.promoted,
                 fallback=s.fallback,
             )
-            out.append(self._emit_token(s, tok, first=True, stats=stats))
+            out.append(self._emit_token(s, tok, lp, first=True, stats=stats))
 
     def _forward_one(self, s: _Seq, t: int) -> Tensor:
         """Run ``t`` prompt tokens of ``s`` after its computed ones; logits of the last one [V]."""
@@ -355,8 +368,8 @@ class Engine:
                 out.append(self._fail(s, f"decode failed: {e}"))
             return
         for i, s in enumerate(batch):
-            tok = sample(logits[i], s.req.sampling, s.gen, self._mask)
-            out.append(self._emit_token(s, tok, first=False, stats=None))
+            tok, lp = sample(logits[i], s.req.sampling, s.gen, self._mask, s.hist, s.banned())
+            out.append(self._emit_token(s, tok, lp, first=False, stats=None))
 
     def _forward_batch(self, batch: list[_Seq]) -> Tensor:
         """Feed each sequence's last token in one forward; logits [B, V]."""
@@ -403,17 +416,23 @@ class Engine:
             self.kv.commit_computed(s.block_ids[i], s.hashes[i], parent, s.req.namespace, s.req.session_id)
         s.committed = max(s.committed, full)
 
-    def _emit_token(self, s: _Seq, tok: int, first: bool, stats: RequestStats | None) -> StepOutput:
+    def _emit_token(
+        self, s: _Seq, tok: int, lp: TokenLogprob | None, first: bool, stats: RequestStats | None
+    ) -> StepOutput:
         s.tokens.append(tok)
         s.output.append(tok)
+        if s.hist is not None:
+            s.hist.add(tok)
         reason = None
-        if tok in s.req.stop_token_ids:
+        if tok in s.req.stop_token_ids and not s.req.sampling.ignore_eos:
             reason = "stop"
         elif len(s.output) >= s.max_tokens or len(s.tokens) >= self.max_context:
             reason = "length"
         if reason is not None:
             self._finish(s)
-        return StepOutput(s.req.request_id, [tok], reason is not None, reason, first, stats)
+        return StepOutput(
+            s.req.request_id, [tok], reason is not None, reason, first, stats, logprobs=[lp] if lp else None
+        )
 
     def _finish(self, s: _Seq) -> None:
         self._commit_full_blocks(s)

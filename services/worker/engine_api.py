@@ -24,13 +24,13 @@ Invariants every engine keeps:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from schemas.messages import KvEvent, SamplingParams, TierUsage
+from schemas.messages import KvEvent, SamplingParams, TierUsage, TokenLogprob
 from services.worker.errors import RequestRejected
 
 if TYPE_CHECKING:
@@ -67,10 +67,16 @@ class EngineRequest:
     block_size: int | None = None
 
 
-def check_request(req: EngineRequest, block_size: int, max_context: int, vocab_size: int) -> np.ndarray:
+def check_request(
+    req: EngineRequest, block_size: int, max_context: int, vocab_size: int, features: Collection[str]
+) -> np.ndarray:
     """The checks every engine makes before it queues ``req``: its token ids as int64 if it can run,
-    else RequestRejected saying why (empty, other block size, too long, no room to generate, bad ids)."""
+    else RequestRejected saying why (empty, other block size, too long, no room to generate, bad ids,
+    a sampling feature the engine does not honour: never run it and silently ignore the field)."""
     rid = req.request_id
+    missing = req.sampling.features() - set(features)
+    if missing:
+        raise RequestRejected(f"request {rid}: this engine does not support {', '.join(sorted(missing))}")
     n = len(req.token_ids)
     if n == 0:
         raise RequestRejected(f"request {rid}: empty prompt")
@@ -110,6 +116,8 @@ class StepOutput:
     first_token: bool = False
     stats: RequestStats | None = None
     error: str | None = None
+    #: One entry per new token when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +158,12 @@ class WorkerEngine(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def features(self) -> Collection[str]:
+        """What the engine honours of a request's sampling fields (schemas.messages BASE_FEATURES and
+        OPTIONAL_FEATURES); announced in LoadReports so the intake refuses the rest."""
+        ...
 
     @property
     def model_name(self) -> str: ...

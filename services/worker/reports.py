@@ -14,6 +14,7 @@ from schemas.messages import ChatRequest, Completion, LoadReport
 
 if TYPE_CHECKING:
     from kvmesh.costmodel import PerfProfile
+    from kvmesh.text_stream import TextStream
     from kvmesh.tokenizer import Tokenizer
     from services.worker.engine_api import EngineLoad, RequestStats
 
@@ -31,7 +32,8 @@ class RunningRequest:
     prefill_ms: float = 0.0
     stats: RequestStats | None = None
     output: list[int] = field(default_factory=list)
-    text_sent: int = 0
+    #: The request's stop strings over its output (None: it has none).
+    stops: TextStream | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class WorkerIdentity:
     transfer_address: str
     peer_transfer: bool
     started_ms: int
+    features: tuple[str, ...] = ()
 
 
 def build_load_report(
@@ -83,6 +86,7 @@ def build_load_report(
         draining=draining,
         engine=ident.engine,
         peer_transfer=ident.peer_transfer,
+        features=list(ident.features),
     )
 
 
@@ -124,6 +128,12 @@ def build_completion(
         e2e_ms=(time.perf_counter() - entry.started) * 1e3 if entry is not None else 0.0,
         error=error,
         fallback=fallback,
-        text=tokenizer.decode(output) if tokenizer is not None else "",
+        text=_output_text(entry, output, tokenizer),
     )
     return c, bool(engine_fallback)
+
+
+def _output_text(entry: RunningRequest | None, output: list[int], tokenizer: Tokenizer | None) -> str:
+    if entry is not None and entry.stops is not None:
+        return entry.stops.text  # cut before the stop string, as the client sees it
+    return tokenizer.decode(output) if tokenizer is not None else ""

@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvmesh.costmodel import fetch_beats_recompute
+from kvmesh.text_stream import TextStream
 from schemas.messages import (
     Assignment,
     CancelRequest,
@@ -169,6 +170,7 @@ class WorkerService:
             transfer_address=self.transfer_address,
             peer_transfer=self._server is not None and self._client is not None,
             started_ms=self._started_ms,
+            features=tuple(self.engine.features),
         )
 
         self._producer = TypedProducer(s.kafka, producer_id=self.worker_id)
@@ -367,6 +369,10 @@ class WorkerService:
                         self.metrics["errors"] += 1
                         await self._send_completion(req, finish_reason="error", error=str(exc))
                         continue
+                    if req.sampling.stop:
+                        entry.stops = TextStream(
+                            self.engine.tokenizer, req.sampling.stop, req.sampling.min_tokens
+                        )
                     self._running[req.request_id] = entry
                 elif kind == "cancel":
                     assert isinstance(item, CancelRequest)
@@ -390,6 +396,18 @@ class WorkerService:
         if out.stats is not None:
             entry.stats = out.stats
         new = list(out.new_token_ids)
+        logprobs = list(out.logprobs or [])
+        finished, reason = out.finished, out.finish_reason
+        if new and entry.stops is not None:
+            entry.stops.push(new)
+            if entry.stops.stopped_at is not None:
+                # A stop string ended the output: the tokens up to the one that completed it are the
+                # output (their text is cut at the match), and the engine stops decoding for nobody.
+                keep = entry.stops.stopped_at - len(entry.output)
+                new, logprobs = new[:keep], logprobs[:keep]
+                if not finished:
+                    self.engine.abort(req.request_id)
+                finished, reason = True, "stop"
         if new:
             index = len(entry.output)
             entry.output.extend(new)
@@ -397,12 +415,17 @@ class WorkerService:
             await self._producer.send(
                 _reply_spec(req.reply_topic),
                 TokenChunk(
-                    request_id=req.request_id, worker_id=self.worker_id, index=index, token_ids=new, text=text
+                    request_id=req.request_id,
+                    worker_id=self.worker_id,
+                    index=index,
+                    token_ids=new,
+                    text=text,
+                    logprobs=logprobs,
                 ),
             )
-        if out.finished:
+        if finished:
             self._running.pop(req.request_id, None)
-            reason = out.finish_reason or "stop"
+            reason = reason or "stop"
             if reason == "error":
                 self.metrics["errors"] += 1
             else:

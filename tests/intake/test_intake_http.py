@@ -8,6 +8,7 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+import openai
 import pytest
 from conftest import ECHO_WORKER, KEY_A, KEY_B, EchoWorker, auth, chat_body, intake, make_settings
 from pydantic import SecretStr
@@ -138,7 +139,12 @@ async def test_auth_and_tenants(kafka_settings: KafkaSettings, echo_worker: Echo
         assert (await http.get("/v1/models")).status_code == 401
         assert echo_worker.requests == []
 
-        same = chat_body("the same prompt for both tenants, long enough to fill two blocks", tenant="evil")
+        # The tenant comes from the key only: a body that names one is refused, not half obeyed.
+        evil = await http.post(
+            "/v1/chat/completions", json=chat_body("x", tenant="evil"), headers=auth(KEY_A)
+        )
+        assert evil.status_code == 400 and evil.json()["error"]["param"] == "tenant"
+        same = chat_body("the same prompt for both tenants, long enough to fill two blocks")
         ra = await http.post("/v1/chat/completions", json=same, headers=auth(KEY_A))
         rb = await http.post("/v1/chat/completions", json=same, headers=auth(KEY_B))
         assert ra.status_code == rb.status_code == 200
@@ -239,8 +245,18 @@ async def test_backpressure_429(kafka_settings: KafkaSettings, echo_worker: Echo
         assert r.status_code == 429
         assert r.headers["Retry-After"] == "3"
         assert r.json()["error"]["type"] == "rate_limit_error"
+        # The official client sees it as what its retry logic keys on: RateLimitError + Retry-After.
+        client = openai.AsyncOpenAI(
+            base_url="http://intake.test/v1", api_key=KEY_A, http_client=http, max_retries=0
+        )
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(
+                model="kvmesh-tiny", messages=[{"role": "user", "content": "x"}]
+            )
+        assert info.value.status_code == 429 and info.value.response.headers["retry-after"] == "3"
+        assert info.value.code == "too_many_requests"
         metrics = (await http.get("/metrics")).text
-        assert 'kvmesh_intake_requests_total{outcome="too_many_requests"} 1.0' in metrics
+        assert 'kvmesh_intake_requests_total{outcome="too_many_requests"} 2.0' in metrics
         assert "kvmesh_intake_in_flight 1.0" in metrics
         held.cancel()
         with pytest.raises(asyncio.CancelledError):

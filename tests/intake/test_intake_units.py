@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cli import COMMANDS
+from kvmesh.text_stream import TextStream
 from kvmesh.tokenizer import ByteTokenizer
 from schemas.messages import Completion
 from services.intake.auth import DEV_TENANT, ApiKeyTable, parse_key_spec
 from services.intake.config import IntakeSettings
 from services.intake.errors import AuthenticationFailed, IntakeError, UpstreamFailed, UpstreamRejected
-from services.intake.replies import IncrementalDetokenizer, completion_error
+from services.intake.replies import completion_error
 
 
 def test_parse_key_spec() -> None:
@@ -61,7 +62,7 @@ def test_settings_defaults_bind_loopback() -> None:
 
 
 def test_detokenizer_never_splits_a_character() -> None:
-    det = IncrementalDetokenizer(ByteTokenizer())
+    det = TextStream(ByteTokenizer())
     ids = list("héllo €".encode())
     deltas = [det.push([i]) for i in ids]
     assert "".join(deltas) + det.flush() == "héllo €"

@@ -84,9 +84,9 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     real = engine_mod.sample
 
-    def spy(logits, params, gen, mask):  # type: ignore[no-untyped-def]
+    def spy(logits, params, gen, mask, *rest):  # type: ignore[no-untyped-def]
         seen.append(logits.detach().float().cpu().clone())
-        return real(logits, params, gen, mask)
+        return real(logits, params, gen, mask, *rest)
 
     monkeypatch.setattr(engine_mod, "sample", spy)
     return seen
@@ -259,3 +259,33 @@ def test_calibrate_returns_a_usable_profile() -> None:
     assert p.prefill_ms_per_token > 0 and p.decode_ms_per_step > 0
     assert p.prefill_ms_per_token_per_ctx >= 0
     assert p.block_size == BS and p.block_bytes == 4 * 2 * 2 * BS * 32 * 4
+
+
+def test_end_tokens_min_tokens_ignore_eos_and_logprobs() -> None:
+    eng = _engine()
+    prompt = _prompt(40, seed=11)
+    free = _tokens(_run(eng, _req("free", prompt, max_tokens=6))["free"])
+    end = free[0]  # make the greedy first token the request's end token
+    stopped = _run(eng, _req("end", prompt, max_tokens=6, stop=[end]))["end"]
+    assert _tokens(stopped) == [end] and stopped[-1].finish_reason == "stop"
+    kept = _run(eng, _req("ign", prompt, max_tokens=6, stop=[end], sampling=SamplingParams(ignore_eos=True)))
+    assert _tokens(kept["ign"]) == free and kept["ign"][-1].finish_reason == "length"
+    # min_tokens: the end token cannot be chosen before 3 tokens; logprobs still show the model's view
+    sp = SamplingParams(min_tokens=3, logprobs=2)
+    outs = _run(eng, _req("min", prompt, max_tokens=6, stop=[end], sampling=sp))["min"]
+    toks = _tokens(outs)
+    assert len(toks) >= 3 and end not in toks[:3]
+    lps = [lp for o in outs for lp in o.logprobs or []]
+    assert [lp.token_id for lp in lps] == toks
+    assert lps[0].top_ids[0] == end and lps[0].token_id != end
+    assert all(len(lp.top_ids) == 2 for lp in lps)
+
+
+def test_a_feature_the_engine_lacks_is_refused_not_ignored() -> None:
+    from schemas.messages import StructuredOutput
+
+    eng = _engine()
+    with pytest.raises(RequestRejected, match="json_object"):
+        eng.add_request(
+            _req("so", _prompt(20, 1), sampling=SamplingParams(structured=StructuredOutput("json_object")))
+        )

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from services.intake.openai_models import models_body
+from services.intake.openai_format import models_body
 from services.intake.routes.deps import ServiceDep
 
 router = APIRouter()

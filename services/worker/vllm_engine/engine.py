@@ -44,7 +44,14 @@ import numpy as np
 
 from kvmesh.costmodel import PerfProfile, prefill_ctx
 from kvmesh.tokenizer import HFTokenizer
-from schemas.messages import KvEvent, TierUsage
+from schemas.messages import (
+    BASE_FEATURES,
+    OPTIONAL_FEATURES,
+    KvEvent,
+    StructuredOutput,
+    TierUsage,
+    TokenLogprob,
+)
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
@@ -257,6 +264,11 @@ class VllmEngine:
         return LLMEngine.from_engine_args(args)
 
     # ---- WorkerEngine: description and the data plane -------------------------------------------
+    @property
+    def features(self) -> tuple[str, ...]:
+        # vLLM's structured output decoding gives response_format and forced tool calls.
+        return BASE_FEATURES + OPTIONAL_FEATURES
+
     def describe(self) -> str:
         lower = (
             f", connector tiers dram {self.cfg.dram_blocks} / disk {self.cfg.disk_blocks} blocks"
@@ -299,7 +311,7 @@ class VllmEngine:
 
         rid = req.request_id
         n = len(req.token_ids)
-        ids = check_request(req, self.block_size, self.max_context, self.vocab_size)
+        ids = check_request(req, self.block_size, self.max_context, self.vocab_size, self.features)
         if rid in self._tracks:
             raise RequestRejected(f"request {rid} is already queued")
         s = req.sampling
@@ -307,13 +319,23 @@ class VllmEngine:
         if seed is None and s.temperature > 0:
             # Repeatable per request id, as the built-in engine: a replayed request samples alike.
             seed = (self.cfg.seed << 32) ^ zlib.crc32(rid.encode())
+        # Stop strings are not vLLM's to match: the worker service runs the one rule every engine
+        # shares (kvmesh.text_stream) and aborts the request when it matches. The request's end tokens
+        # are its stop_token_ids, which ignore_eos turns off like vLLM's own EOS.
         params = SamplingParams(
             n=1,
             temperature=s.temperature,
             top_p=s.top_p,
             seed=seed,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            min_tokens=s.min_tokens,
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
             max_tokens=min(req.max_tokens, self.max_context - n),
-            stop_token_ids=list(req.stop_token_ids) or None,
+            stop_token_ids=None if s.ignore_eos else (list(req.stop_token_ids) or None),
+            structured_outputs=_structured(s.structured),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
@@ -389,7 +411,8 @@ class VllmEngine:
             reason = _FINISH.get(c.finish_reason or "stop", "stop") if finished else None
             if finished:
                 self._tracks.pop(r.request_id, None)
-            out.append(StepOutput(r.request_id, new, finished, reason, first, stats))
+            lps = _logprobs(new, c.logprobs, t.req.sampling.logprobs)
+            out.append(StepOutput(r.request_id, new, finished, reason, first, stats, logprobs=lps))
         self._refresh_load()
         return out
 
@@ -654,6 +677,41 @@ class VllmEngine:
             self._llm.engine_core.shutdown()
         self._release_hub()
         shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+
+def _structured(so: StructuredOutput | None) -> Any:
+    """vLLM's structured-output parameters for a request's constraint (None: unconstrained)."""
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    # Compact JSON only: with "any whitespace" allowed, a weak model can spend its whole budget on
+    # whitespace between tokens and never close the object; the output is still any valid JSON value
+    # of the schema, written without optional whitespace.
+    if so.kind == "json_object":
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    return StructuredOutputsParams(json=so.schema, disable_any_whitespace=True)
+
+
+def _logprobs(new: list[int], sample: Any, k: int | None) -> list[TokenLogprob] | None:
+    """kvmesh logprobs of the ``new`` tokens from vLLM's per-token ``{token id: Logprob}`` maps."""
+    if k is None:
+        return None
+    if sample is None or len(sample) < len(new):
+        raise RuntimeError("vLLM returned fewer logprobs than tokens")
+    out = []
+    for tok, entry in zip(new, list(sample)[-len(new) :] if new else [], strict=True):
+        ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None))
+        top = [(tid, v) for rank, tid, v in ranked if rank <= k][:k]
+        out.append(
+            TokenLogprob(
+                token_id=tok,
+                logprob=float(entry[tok].logprob),
+                top_ids=[tid for tid, _ in top],
+                top_logprobs=[float(v) for _, v in top],
+            )
+        )
+    return out
 
 
 def _event_fields(ev: Any) -> tuple[str, dict[str, Any]]:

@@ -1,0 +1,102 @@
+"""What the engines serving each model honour, learned from the workers' LoadReports.
+
+A request field that needs an engine feature (``SamplingParams.features()``) is accepted only when
+every live worker of the model announces it: the scheduler may send the request to any of them, and a
+worker that cannot honour a field refuses the request rather than ignore it. Liveness is judged on this
+intake's clock (a report seen within ``live_ms``); this is admission, not a routing decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from schemas.messages import LoadReport
+from streams import topics
+from streams.consumer import TypedConsumer
+from streams.settings import KafkaSettings
+
+log = logging.getLogger("kvmesh.intake.capabilities")
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    model: str
+    engine: str
+    features: frozenset[str]
+    seen_s: float
+
+
+class FeatureBoard:
+    """Worker id → (model, engine, features) of its newest LoadReport. Pure; fed by :class:`FeatureFeed`."""
+
+    def __init__(self, live_s: float = 10.0) -> None:
+        self.live_s = live_s
+        self._workers: dict[str, _Seen] = {}
+
+    def observe(self, report: LoadReport, now_s: float) -> None:
+        if report.draining:
+            # A draining worker takes no new requests: what it honours no longer matters.
+            self._workers.pop(report.worker_id, None)
+            return
+        self._workers[report.worker_id] = _Seen(
+            report.model, report.engine, frozenset(report.features), now_s
+        )
+
+    def live(self, model: str, now_s: float) -> list[_Seen]:
+        return [w for w in self._workers.values() if w.model == model and now_s - w.seen_s <= self.live_s]
+
+    def features(self, model: str, now_s: float) -> frozenset[str] | None:
+        """What every live worker of ``model`` honours; None when none has been seen."""
+        live = self.live(model, now_s)
+        if not live:
+            return None
+        return frozenset.intersection(*(w.features for w in live))
+
+    def engines(self, model: str, now_s: float) -> list[str]:
+        return sorted({w.engine for w in self.live(model, now_s)})
+
+
+class FeatureFeed:
+    """Reads the load topic (from its end: heartbeats repeat) into a :class:`FeatureBoard`."""
+
+    def __init__(self, kafka: KafkaSettings, board: FeatureBoard) -> None:
+        self.kafka = kafka
+        self.board = board
+        self._consumer: TypedConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        consumer = TypedConsumer(self.kafka, [topics.LOAD], group_id=None, from_beginning=False)
+        await consumer.start()
+        self._consumer = consumer
+        self._task = asyncio.create_task(self._run(), name="kvmesh-intake-features")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            await consumer.stop()
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            try:
+                records = await self._consumer.getmany(timeout_ms=200)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("load consumer failed; retrying")
+                await asyncio.sleep(0.5)
+                continue
+            now = time.monotonic()
+            for r in records:
+                if isinstance(r.message, LoadReport):
+                    self.board.observe(r.message, now)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("streams", "worker", "transfer", "scheduler", "kvmanager", "fleet")
+BENCHES = ("streams", "worker", "transfer", "scheduler", "kvmanager", "fleet", "serve")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,13 +33,16 @@ class _Seen:
 class FeatureBoard:
     """Worker id → (model, engine, features) of its newest LoadReport. Pure; fed by :class:`FeatureFeed`."""
 
-    def __init__(self, live_s: float = 10.0) -> None:
+    def __init__(self, live_s: float = 10.0, block_size: int | None = None) -> None:
         self.live_s = live_s
+        self.block_size = block_size
         self._workers: dict[str, _Seen] = {}
 
     def observe(self, report: LoadReport, now_s: float) -> None:
-        if report.draining:
-            # A draining worker takes no new requests: what it honours no longer matters.
+        refused = self.block_size is not None and report.block_size != self.block_size
+        if report.draining or refused:
+            # A draining worker takes no new requests, and the scheduler never routes to a worker of
+            # another block size: what they honour does not matter.
             self._workers.pop(report.worker_id, None)
             return
         self._workers[report.worker_id] = _Seen(

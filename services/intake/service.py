@@ -65,7 +65,7 @@ class IntakeService:
             model=settings.model_name,
         )
         self.in_flight = 0
-        self.features = FeatureBoard(live_s=settings.worker_live_s)
+        self.features = FeatureBoard(live_s=settings.worker_live_s, block_size=settings.block_size)
         self._feed = FeatureFeed(settings.kafka, self.features)
 
     def __repr__(self) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 pytest.importorskip("vllm")
@@ -206,6 +207,137 @@ def test_streaming_sampling_and_a_client_disconnect_that_aborts_in_vllm(stack: D
         if done or time.monotonic() > deadline:
             break
     assert done and done[0].finish_reason == "cancelled" and done[0].completion_tokens < 900
+
+
+def _openai(stack: DevStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.intake_url}/v1", api_key=KEY_A, max_retries=0, timeout=120)
+
+
+def test_structured_output_passes_through_to_vllm(stack: DevStack) -> None:
+    client = _openai(stack)
+    msgs = [{"role": "user", "content": "Describe the cache as JSON."}]
+    base = {"model": "kvmesh-tiny-llama", "messages": msgs, "temperature": 0, "max_tokens": 200}
+    # json_object: any object. A model of random weights rarely closes one (its keys are free text),
+    # so eight sampled choices: every one that ends on its own is a JSON object, the rest are cut
+    # objects (finish "length").
+    r = client.chat.completions.create(  # type: ignore[call-overload]
+        response_format={"type": "json_object"},
+        **{**base, "temperature": 1.0, "seed": 0, "max_tokens": 48, "n": 8},
+    )
+    done = [c for c in r.choices if c.finish_reason == "stop"]
+    assert done, [c.message.content for c in r.choices]
+    assert all(isinstance(json.loads(c.message.content or ""), dict) for c in done)
+    assert all((c.message.content or "").startswith("{") for c in r.choices)
+    schema = {
+        "type": "object",
+        "properties": {"blocks": {"type": "integer"}, "tier": {"enum": ["gpu", "dram", "disk"]}},
+        "required": ["blocks", "tier"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "cache", "schema": schema}}
+    r = client.chat.completions.create(response_format=fmt, **base)  # type: ignore[call-overload]
+    obj = json.loads(r.choices[0].message.content or "")
+    assert (
+        set(obj) == {"blocks", "tier"}
+        and isinstance(obj["blocks"], int)
+        and obj["tier"] in schema["properties"]["tier"]["enum"]
+    )  # type: ignore[index]
+    # streamed, the same constrained text arrives in pieces
+    stream = client.chat.completions.create(response_format=fmt, stream=True, **base)  # type: ignore[call-overload]
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert json.loads(text) == obj
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_block",
+            "description": "Look up a KV block.",
+            "parameters": {
+                "type": "object",
+                "properties": {"hash": {"type": "integer"}},
+                "required": ["hash"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "drain", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def test_tool_calls_are_honoured_on_vllm(stack: DevStack) -> None:
+    client = _openai(stack)
+    msgs = [{"role": "user", "content": "Which block holds my prompt?"}]
+    base = {
+        "model": "kvmesh-tiny-llama",
+        "messages": msgs,
+        "temperature": 0,
+        "max_tokens": 120,
+        "tools": TOOLS,
+    }
+    r = client.chat.completions.create(tool_choice="required", **base)  # type: ignore[call-overload]
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    for call in calls:
+        assert call.function.name in ("get_block", "drain") and call.id and call.type == "function"
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_block":
+            assert set(args) == {"hash"} and isinstance(args["hash"], int)
+    named = {"type": "function", "function": {"name": "get_block"}}
+    r = client.chat.completions.create(tool_choice=named, **base)  # type: ignore[call-overload]
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.function.name == "get_block" and isinstance(json.loads(call.function.arguments)["hash"], int)
+    assert r.choices[0].message.content is None
+    # the call goes back into the history with its result, and the template renders both
+    history = [
+        *msgs,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "block 7 on worker-0"},
+    ]
+    r = client.chat.completions.create(**{**base, "messages": history, "tool_choice": "none"})  # type: ignore[call-overload]
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    # streamed: the call arrives as tool_calls deltas
+    stream = client.chat.completions.create(tool_choice=named, stream=True, **base)  # type: ignore[call-overload]
+    deltas = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function is not None and deltas[0].function.name == "get_block"
+
+
+def test_logprobs_stop_and_the_openai_client_on_vllm(stack: DevStack) -> None:
+    client = _openai(stack)
+    msgs = [{"role": "user", "content": "Say something about tokens."}]
+    base = {"model": "kvmesh-tiny-llama", "messages": msgs, "temperature": 0, "max_tokens": 16}
+    r = client.chat.completions.create(logprobs=True, top_logprobs=2, **base)  # type: ignore[call-overload]
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4
+    text = r.choices[0].message.content or ""
+    stop = text[6:8]
+    cut = client.chat.completions.create(stop=[stop], **base)  # type: ignore[call-overload]
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_vllm_bench_serve_runs_against_kvmesh_with_no_failures(stack: DevStack, model_dir: Path) -> None:
+    from kvmesh.bench.serve import vllm_bench_serve
+
+    for backend in ("openai-chat", "openai"):
+        result = vllm_bench_serve(
+            stack.intake_url,
+            "kvmesh-tiny-llama",
+            str(model_dir),
+            backend=backend,
+            num_prompts=12,
+            input_len=96,
+            output_len=8,
+            max_concurrency=4,
+            api_key=KEY_A,
+        )
+        assert result["completed"] == 12 and result["failed"] == 0, result.get("errors")
+        assert result["median_ttft_ms"] > 0
+        assert "/tokenize unavailable" not in result["stdout"]
 
 
 def test_over_long_prompt_gets_a_clear_error_and_the_worker_serves_on(

@@ -1,5 +1,5 @@
 """HTTP routes of the intake, one module per resource; ``app.py`` only assembles them."""
 
-from services.intake.routes import chat, completions, health, models
+from services.intake.routes import chat, completions, health, models, tokenize
 
-ROUTERS = (chat.router, completions.router, models.router, health.router)
+ROUTERS = (chat.router, completions.router, tokenize.router, models.router, health.router)

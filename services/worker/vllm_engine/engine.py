@@ -226,7 +226,7 @@ class VllmEngine:
 
     def _build(self, root: Path, endpoint: str, replay: str) -> Any:
         from vllm import EngineArgs
-        from vllm.config import KVEventsConfig, KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfig
         from vllm.v1.engine.llm_engine import LLMEngine
 
         cfg = self.cfg
@@ -252,6 +252,10 @@ class VllmEngine:
             max_num_batched_tokens=max(cfg.prefill_chunk, cfg.block_size),
             num_gpu_blocks_override=cfg.gpu_blocks,
             kv_transfer_config=kv_transfer,
+            # Compact JSON only under response_format: with "any whitespace" allowed, a weak model can
+            # spend its whole budget on whitespace between tokens and never close the object. The
+            # output is still any valid JSON value of the schema, without optional whitespace.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",
@@ -685,12 +689,11 @@ def _structured(so: StructuredOutput | None) -> Any:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    # Compact JSON only: with "any whitespace" allowed, a weak model can spend its whole budget on
-    # whitespace between tokens and never close the object; the output is still any valid JSON value
-    # of the schema, written without optional whitespace.
+    # json_object is the schema of any object: vLLM's own json_object grammar ignores the engine's
+    # whitespace setting (see _build).
     if so.kind == "json_object":
-        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
-    return StructuredOutputsParams(json=so.schema, disable_any_whitespace=True)
+        return StructuredOutputsParams(json={"type": "object"})
+    return StructuredOutputsParams(json=so.schema)
 
 
 def _logprobs(new: list[int], sample: Any, k: int | None) -> list[TokenLogprob] | None:

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvmesh.sim.__main__", "discrete-event fleet simulator with the live scheduler code"),
     "replay": ("kvmesh.replay.__main__", "re-run scheduler decisions over a recorded window of topics"),
     "record": ("kvmesh.replay.record", "record a window of the topics to a file"),
-    "bench": ("kvmesh.bench.__main__", "benchmarks: streams, worker, transfer, scheduler, kvmanager, fleet, serve"),
+    "bench": ("kvmesh.bench.__main__", "benchmarks: streams, worker, transfer, scheduler, fleet, serve, ..."),
     "model": ("kvmesh.modeldir", "model directories: `kvmesh model init DIR` writes a small seeded Llama"),
 }
 

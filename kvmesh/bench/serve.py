@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvmesh.devstack import DevStack, DevStackSettings
-    from services.worker.config import served_model_for
     from kvmesh.modeldir import init_model_dir
+    from services.worker.config import served_model_for
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
         model_dir = args.model or str(init_model_dir(Path(tmp) / "tiny-llama", seed=0))
@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             ready_timeout_s=300,
             log_level="WARNING",
         )
-        report: dict[str, Any] = {"engine": args.engine, "workers": args.workers, "client": "vllm bench serve"}
+        report: dict[str, Any] = {
+            "engine": args.engine,
+            "workers": args.workers,
+            "client": "vllm bench serve",
+        }
         t0 = time.perf_counter()
         with DevStack(settings, sink=lambda _line: None) as stack:
             for backend in args.backends.split(","):
@@ -149,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                     max_concurrency=args.max_concurrency,
                 )
                 if not args.json:
-                    print(result["stdout"])
+                    sys.stdout.write(result["stdout"] + "\n")
                 report[backend] = summary(result)
         report["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(report))
+    sys.stdout.write(json.dumps(report) + "\n")
     return 0 if all(report[b]["failed"] == 0 for b in args.backends.split(",")) else 1
 
 

@@ -51,6 +51,8 @@ class ToolPlan:
                         "type": "object",
                         "properties": {"name": {"type": "string", "enum": [name]}, "arguments": schema},
                         "required": ["name", "arguments"],
+                        # a call is a name and its arguments, nothing else
+                        "additionalProperties": False,
                     }
                     for name, schema in params.items()
                 ]

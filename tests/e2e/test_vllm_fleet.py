@@ -256,13 +256,19 @@ TOOLS = [
             "description": "Look up a KV block.",
             "parameters": {
                 "type": "object",
-                "properties": {"hash": {"type": "integer"}},
+                "properties": {"hash": {"type": "integer", "minimum": 0, "maximum": 4095}},
                 "required": ["hash"],
                 "additionalProperties": False,
             },
         },
     },
-    {"type": "function", "function": {"name": "drain", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "drain",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    },
 ]
 
 
@@ -276,9 +282,11 @@ def test_tool_calls_are_honoured_on_vllm(stack: DevStack) -> None:
         "max_tokens": 120,
         "tools": TOOLS,
     }
-    r = client.chat.completions.create(tool_choice="required", **base)  # type: ignore[call-overload]
+    # A random-weight model may emit calls until max_tokens; one call (parallel_tool_calls false) and
+    # closed schemas bound what it can write.
+    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **base)  # type: ignore[call-overload]
     calls = r.choices[0].message.tool_calls
-    assert r.choices[0].finish_reason == "tool_calls" and calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls, r.choices[0]
     for call in calls:
         assert call.function.name in ("get_block", "drain") and call.id and call.type == "function"
         args = json.loads(call.function.arguments)
@@ -286,7 +294,8 @@ def test_tool_calls_are_honoured_on_vllm(stack: DevStack) -> None:
             assert set(args) == {"hash"} and isinstance(args["hash"], int)
     named = {"type": "function", "function": {"name": "get_block"}}
     r = client.chat.completions.create(tool_choice=named, **base)  # type: ignore[call-overload]
-    [call] = r.choices[0].message.tool_calls or []
+    [call] = r.choices[0].message.tool_calls or [None]  # type: ignore[list-item]
+    assert call is not None, r.choices[0]
     assert call.function.name == "get_block" and isinstance(json.loads(call.function.arguments)["hash"], int)
     assert r.choices[0].message.content is None
     # the call goes back into the history with its result, and the template renders both
@@ -311,8 +320,9 @@ def test_logprobs_stop_and_the_openai_client_on_vllm(stack: DevStack) -> None:
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content and len(content) == r.usage.completion_tokens  # type: ignore[union-attr]
     for t in content:
-        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
-        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4
+        # greedy: the chosen token is the most likely (a tie may list another first)
+        assert len(t.top_logprobs) == 2 and abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4
+        assert t.token in {x.token for x in t.top_logprobs if abs(x.logprob - t.logprob) < 1e-4}
     text = r.choices[0].message.content or ""
     stop = text[6:8]
     cut = client.chat.completions.create(stop=[stop], **base)  # type: ignore[call-overload]

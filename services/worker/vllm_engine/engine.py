@@ -255,7 +255,9 @@ class VllmEngine:
             # Compact JSON only under response_format: with "any whitespace" allowed, a weak model can
             # spend its whole budget on whitespace between tokens and never close the object. The
             # output is still any valid JSON value of the schema, without optional whitespace.
-            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+            structured_outputs_config=StructuredOutputsConfig(
+                backend="xgrammar", disable_any_whitespace=True
+            ),
             kv_events_config=KVEventsConfig(
                 enable_kv_cache_events=True,
                 publisher="zmq",

@@ -39,6 +39,9 @@ WHY: dict[str, str] = {
     "suffix": "insertion (fill-in-the-middle) is not supported",
     "logit_bias": "logit bias is not supported",
     "top_k": "top-k sampling is not supported; use top_p",
+    "image_url": "this model reads text only",
+    "input_audio": "this model reads text only",
+    "file": "this model reads text only",
 }
 
 

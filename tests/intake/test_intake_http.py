@@ -191,6 +191,12 @@ async def test_validation_errors(kafka_settings: KafkaSettings, echo_worker: Ech
         assert (status, err["param"], err["type"]) == (400, "messages", "invalid_request_error")
         status, err = await post(chat_body("x", messages=[{"role": "wizard", "content": "hi"}]))
         assert (status, err["param"]) == (400, "messages[0].role")
+        image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}
+        status, err = await post(chat_body("x", messages=[{"role": "user", "content": [image]}]))
+        assert (status, err["param"]) == (400, "messages[0].content[0].image_url")
+        assert "text only" in err["message"]
+        status, err = await post(chat_body("x", messages=[{"role": "user", "content": [{"type": "image"}]}]))
+        assert (status, err["param"]) == (400, "messages[0].content[0].type")
         status, err = await post(chat_body("x", model="gpt-9"))
         assert (status, err["code"], err["param"]) == (404, "model_not_found", "model")
         status, err = await post(chat_body("x", max_tokens=199))

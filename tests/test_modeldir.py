@@ -86,3 +86,31 @@ def test_model_names_and_paths() -> None:
         model_dir_of("/no/such/model", must_exist=True)
     with pytest.raises(ModelConfigError, match="no-such-size"):
         WorkerSettings(model="no-such-size", insecure_dev_transfer=True).model_dir()
+
+
+def test_tools_render_only_through_a_template_that_has_them(model_dir: Path, tmp_path: Path) -> None:
+    tok = load_tokenizer(str(model_dir))
+    assert isinstance(tok, HFTokenizer) and tok.supports_tools
+    msgs = [ChatMessage("user", "Which block?")]
+    tool = {"type": "function", "function": {"name": "get_block", "parameters": {"type": "object"}}}
+    plain = render_chat(tok, msgs)
+    with_tools = render_chat(tok, msgs, tools=[tool])
+    assert plain != with_tools and "get_block" in tok.decode(with_tools)
+    assert "<tool_call>" in tok.decode(with_tools)  # the Hermes convention intake parses
+    called = [*msgs, ChatMessage("assistant", "", (("get_block", '{"hash": 7}'),))]
+    assert '"hash": 7' in tok.decode(render_chat(tok, called, add_generation_prompt=False))
+    # a template without tools: refusing beats dropping them from the prompt
+    other = tmp_path / "no-tools"
+    other.mkdir()
+    for f in model_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    conf = json.loads((other / "tokenizer_config.json").read_text())
+    conf["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(conf))
+    bare = load_tokenizer(str(other))
+    assert isinstance(bare, HFTokenizer) and not bare.supports_tools
+    assert render_chat(bare, msgs)
+    with pytest.raises(ValueError, match="does not render tools"):
+        render_chat(bare, msgs, tools=[tool])
+    with pytest.raises(ValueError, match="does not render tools"):
+        render_chat(bare, called)

@@ -47,6 +47,10 @@ class RequestTimeout(ClientError):
     retriable = True
 
 
+class PublishTimeout(ClientError):
+    """The broker did not take a request within the client's publish timeout (it is down or stuck)."""
+
+
 class RequestClosed(ClientError):
     """The handle was cancelled or closed before its Completion arrived."""
 
@@ -242,6 +246,7 @@ class KvmeshClient:
         public_prefixes: Mapping[str, str] | None = None,
         model: str = "kvmesh-tiny",
         create_topics: bool = True,
+        publish_timeout_s: float = 5.0,
     ) -> None:
         self.kafka = kafka
         self.client_id = client_id
@@ -252,6 +257,13 @@ class KvmeshClient:
         self.create_topics = create_topics
         self.public_prefixes = _public_prefix_tokens(self.tokenizer, public_prefixes or {})
         self.router = ReplyRouter()
+        # Bounds every publish: past it the broker is taken as down (a clear error now beats
+        # aiokafka's own 40 s request timeout), and a cancel never holds up its caller.
+        self.publish_timeout_s = publish_timeout_s
+        #: Publishes that failed or timed out since the last one that succeeded (0: the broker takes
+        #: records); intake reports itself unready while it is not 0.
+        self.publish_failures = 0
+        self._cancels: set[asyncio.Task[None]] = set()
         self._producer: Any = None
         self._consumer: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -294,6 +306,9 @@ class KvmeshClient:
 
     async def stop(self) -> None:
         """Disconnect; waiting handles are closed. Safe to call twice."""
+        if self._cancels:
+            # cancels already queued go out before the producer closes (each is bounded)
+            await asyncio.gather(*self._cancels, return_exceptions=True)
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -385,22 +400,75 @@ class KvmeshClient:
         )
 
     async def submit(self, request: ChatRequest) -> RequestHandle:
-        """Publish ``request`` and return its handle (registered first, so no reply is missed)."""
+        """Publish ``request`` and return its handle (registered first, so no reply is missed).
+
+        Raises PublishTimeout when the broker does not take it within ``publish_timeout_s``; the
+        record may still be queued then, so a cancel follows it and the fleet drops it if it arrives.
+        """
         if self._producer is None:
             raise ClientError("client is not started")
         handle = RequestHandle(request, self)
         self.router.register(handle)
         try:
-            await self._producer.send(topics.REQUESTS, request)
+            await self._publish(request)
+        except TimeoutError:
+            self.router.unregister(request.request_id)
+            self._spawn_cancel(request, "publish_timeout", None)
+            raise PublishTimeout(
+                f"the broker did not take request {request.request_id} in {self.publish_timeout_s}s"
+            ) from None
         except BaseException:
             self.router.unregister(request.request_id)
             raise
         return handle
 
+    async def _publish(self, message: ChatRequest | CancelRequest) -> None:
+        from streams.producer import PublishError
+
+        try:
+            await asyncio.wait_for(self._producer.send(topics.REQUESTS, message), self.publish_timeout_s)
+        except (TimeoutError, OSError, PublishError):
+            # the broker, not the record: a record refused by the codec says nothing about it
+            self.publish_failures += 1
+            raise
+        self.publish_failures = 0
+
+    async def probe(self) -> bool:
+        """After failed publishes: whether the broker answers again. It also recreates this client's
+        topics (a broker that restarted without durable storage comes back empty), so a True here
+        means requests can flow; the failure count is reset then."""
+        from streams.admin import ensure_topics
+
+        try:
+            await asyncio.wait_for(
+                ensure_topics(self.kafka, [topics.REQUESTS, self.reply_spec]), self.publish_timeout_s
+            )
+        except Exception as exc:  # timeout, OSError, aiokafka's errors while the broker is away
+            log.info("broker probe failed: %s", exc)
+            return False
+        self.publish_failures = 0
+        return True
+
     async def send_cancel(self, request: ChatRequest, reason: str, worker_id: str | None = None) -> None:
-        """Publish a CancelRequest for ``request`` (keyed by its session, like the request)."""
+        """Queue a CancelRequest for ``request`` (keyed by its session, like the request).
+
+        Returns at once: the publish runs in the background, bounded by ``publish_timeout_s``, so a
+        request's deadline or a disconnect never waits on a slow or dead broker. ``stop()`` waits for
+        the cancels still going out."""
+        self._spawn_cancel(request, reason, worker_id)
+
+    def _spawn_cancel(self, request: ChatRequest, reason: str, worker_id: str | None) -> None:
         if self._producer is None:
             return
-        await self._producer.send(
-            topics.REQUESTS, CancelRequest(request.request_id, request.session_id, reason, worker_id)
-        )
+        cancel = CancelRequest(request.request_id, request.session_id, reason, worker_id)
+        task = asyncio.create_task(self._send_cancel(cancel), name=f"kvmesh-cancel-{request.request_id}")
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _send_cancel(self, cancel: CancelRequest) -> None:
+        try:
+            await self._publish(cancel)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the fleet then drops the request at its deadline
+            log.warning("cancel of %s not published: %s", cancel.request_id, exc)

@@ -28,6 +28,8 @@ class _Seen:
     engine: str
     features: frozenset[str]
     seen_s: float
+    #: The worker's decode step time (ms; 0 when it has not measured one).
+    decode_ms: float = 0.0
 
 
 class FeatureBoard:
@@ -46,11 +48,13 @@ class FeatureBoard:
             self._workers.pop(report.worker_id, None)
             return
         self._workers[report.worker_id] = _Seen(
-            report.model, report.engine, frozenset(report.features), now_s
+            report.model, report.engine, frozenset(report.features), now_s, report.decode_ms_per_step
         )
 
     def live(self, model: str, now_s: float) -> list[_Seen]:
-        return [w for w in self._workers.values() if w.model == model and now_s - w.seen_s <= self.live_s]
+        # list(): prepare may run in a worker thread while the feed adds reports
+        seen = list(self._workers.values())
+        return [w for w in seen if w.model == model and now_s - w.seen_s <= self.live_s]
 
     def features(self, model: str, now_s: float) -> frozenset[str] | None:
         """What every live worker of ``model`` honours; None when none has been seen."""
@@ -58,6 +62,13 @@ class FeatureBoard:
         if not live:
             return None
         return frozenset.intersection(*(w.features for w in live))
+
+    def fastest_decode_ms(self, model: str, now_s: float) -> float | None:
+        """The shortest decode step among live workers of ``model`` (None when none has measured one):
+        no worker produces a token faster, so a completion longer than the deadline allows at this
+        speed can never finish."""
+        steps = [w.decode_ms for w in self.live(model, now_s) if w.decode_ms > 0]
+        return min(steps) if steps else None
 
     def engines(self, model: str, now_s: float) -> list[str]:
         return sorted({w.engine for w in self.live(model, now_s)})

@@ -31,8 +31,12 @@ class IntakeSettings(BaseSettings):
     default_max_tokens: int = Field(default=256, gt=0)
     default_temperature: float = 1.0
     max_inflight: int = Field(default=64, gt=0)
+    # Larger bodies are refused (413) before they are parsed; the record limit is checked again later.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     retry_after_s: int = 1
     request_timeout_s: float = Field(default=60.0, gt=0)
+    # A publish the broker has not taken by then answers 503 (and marks the intake unready).
+    publish_timeout_s: float = Field(default=5.0, gt=0)
     # Choices per request (``n``) and in all (legacy batches: prompts x n); each is a fleet request.
     max_n: int = Field(default=8, gt=0)
     max_choices: int = Field(default=32, gt=0)

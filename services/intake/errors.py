@@ -110,3 +110,17 @@ class ServiceUnavailable(IntakeError):
     type = "server_error"
     code = "unavailable"
     retriable = True
+
+
+class RequestTooLarge(InvalidRequest):
+    """The body, or the fleet record it would become, is over the size limit."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """The body is not declared as JSON (a form or text post, as a browser page can send)."""
+
+    status = 415
+    code = "unsupported_media_type"

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.messages import MAX_TOP_LOGPROBS
 
+#: Longest session hint (``user``, ``prompt_cache_key``, ``X-Session-Id``): it is the record key.
+MAX_SESSION_HINT = 256
+
 #: Roles the chat template renders ("developer" is the newer name of "system").
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -111,10 +114,11 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    # int64: what msgpack, torch's and vLLM's generators all take.
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_SESSION_HINT)
     n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -125,7 +129,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     response_format: ResponseFormat | None = None
     # OpenAI's cache routing key: kvmesh's session hint when given.
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = Field(None, max_length=MAX_SESSION_HINT)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

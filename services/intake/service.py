@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from types import TracebackType
 
 from kvmesh.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
+from schemas.errors import RecordTooLarge, SchemaError
 from schemas.messages import BASE_FEATURES, ChatRequest, SamplingParams, StructuredOutput
 from services.intake.auth import ApiKeyTable
 from services.intake.capabilities import FeatureBoard, FeatureFeed
@@ -25,6 +26,7 @@ from services.intake.errors import (
     InvalidRequest,
     ModelNotFound,
     Overloaded,
+    RequestTooLarge,
     ServiceUnavailable,
 )
 from services.intake.metrics import IntakeMetrics
@@ -42,7 +44,8 @@ from services.intake.sampling_fields import (
     structured_output,
 )
 from services.intake.tools import ToolPlan, plan_tools, template_messages
-from streams.client import KvmeshClient, RequestHandle
+from streams.client import KvmeshClient, PublishTimeout, RequestHandle
+from streams.producer import PublishError
 
 log = logging.getLogger("kvmesh.intake")
 
@@ -63,10 +66,23 @@ class IntakeService:
             tokenizer=self.tokenizer,
             public_prefixes=settings.public_prefixes,
             model=settings.model_name,
+            publish_timeout_s=settings.publish_timeout_s,
         )
         self.in_flight = 0
         self.features = FeatureBoard(live_s=settings.worker_live_s, block_size=settings.block_size)
         self._feed = FeatureFeed(settings.kafka, self.features)
+
+    def readiness(self) -> tuple[bool, dict[str, object]]:
+        """Whether a request sent now can be served, and why not: connected, the broker taking
+        records, and a live worker of the served model (from its LoadReports)."""
+        model = self.settings.model_name
+        workers = len(self.features.live(model, time.monotonic()))
+        checks: dict[str, object] = {
+            "connected": self.client.started,
+            "broker": self.client.publish_failures == 0,
+            "live_workers": workers,
+        }
+        return bool(self.client.started and self.client.publish_failures == 0 and workers), checks
 
     def __repr__(self) -> str:
         return f"IntakeService(intake_id={self.settings.intake_id!r}, in_flight={self.in_flight})"
@@ -301,10 +317,11 @@ class IntakeService:
                     param="messages",
                 )
             max_tokens = wanted if wanted is not None else min(default_max_tokens, room)
+            max_tokens = self._finishable(body.model, max_tokens, wanted is not None, max_tokens_param)
             for i in range(n):
                 k = p * n + i
                 # Choices of one prompt differ by seed (OpenAI: n samples, not n copies).
-                seed = None if sampling.seed is None else sampling.seed + i
+                seed = None if sampling.seed is None else _wrap_int64(sampling.seed + i)
                 try:
                     req = self.client.build_request(
                         token_ids=ids,
@@ -330,12 +347,50 @@ class IntakeService:
             echo=[self.tokenizer.decode(ids) for ids in prompts] if echo else [],
         )
 
+    def _finishable(self, model: str, max_tokens: int, explicit: bool, param: str) -> int:
+        """``max_tokens`` if the fleet's fastest worker can decode that many before the deadline.
+
+        A request that cannot finish would hold a worker until its 504; an explicit ``max_tokens``
+        like that is refused, a default one is lowered to what can finish."""
+        step_ms = self.features.fastest_decode_ms(model, time.monotonic())
+        if step_ms is None:
+            return max_tokens
+        budget = max(1, int(self.settings.request_timeout_s * 1000 / step_ms))
+        if max_tokens <= budget:
+            return max_tokens
+        if not explicit:
+            return budget
+        raise InvalidRequest(
+            f"'{param}' of {max_tokens} cannot finish within the request timeout of "
+            f"{self.settings.request_timeout_s:g} s: the fastest worker of {model} decodes a token in "
+            f"{step_ms:.1f} ms, so at most {budget} tokens fit.",
+            param=param,
+            code="unsupported_value",
+        )
+
     @staticmethod
     def _session_id(tenant: str, hint: str | None) -> str | None:
         # Scoped by tenant: two tenants naming their conversations alike must not share a session.
         return f"{tenant}/{hint}" if hint else None
 
     async def submit(self, request: ChatRequest) -> RequestHandle:
+        """Publish one choice; what can go wrong here is a status, never a 500."""
         if not self.client.started:
             raise ServiceUnavailable("The intake is not connected to the fleet.")
-        return await self.client.submit(request)
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        try:
+            return await self.client.submit(request)
+        except RecordTooLarge as exc:
+            raise RequestTooLarge(f"The request is too large for the fleet: {exc}.") from None
+        except SchemaError as exc:
+            raise InvalidRequest(f"The request cannot be encoded: {exc}.") from None
+        except (PublishTimeout, PublishError) as exc:
+            log.warning("request %s not published: %s", request.request_id, exc)
+            raise ServiceUnavailable(
+                "The fleet's broker is not reachable; retry shortly.", headers=retry
+            ) from None
+
+
+def _wrap_int64(seed: int) -> int:
+    """``seed`` folded into int64, the range every engine's generator takes (choice seeds are seed + i)."""
+    return (seed + 2**63) % 2**64 - 2**63

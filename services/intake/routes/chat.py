@@ -18,7 +18,7 @@ from services.intake.openai_format import (
 )
 from services.intake.openai_models import ChatCompletionRequest
 from services.intake.routes.deps import ServiceDep
-from services.intake.routes.fleet_run import created_now, parse_body, run
+from services.intake.routes.fleet_run import created_now, prepare, run, session_header
 from services.intake.sampling_fields import Prepared
 
 router = APIRouter()
@@ -123,7 +123,11 @@ class ChatRenderer:
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(request: Request, service: ServiceDep) -> Response:
     tenant = service.keys.tenant_for(request.headers.get("authorization"))
-    body = await parse_body(request, ChatCompletionRequest)
-    hint = request.headers.get("x-session-id") or body.user
-    prepared = service.prepare_chat(body, tenant=tenant, session_hint=hint)
+    header_hint = session_header(request)
+    body, prepared = await prepare(
+        request,
+        service,
+        ChatCompletionRequest,
+        lambda b: service.prepare_chat(b, tenant=tenant, session_hint=header_hint or b.user),
+    )
     return await run(service, prepared, bool(body.stream), ChatRenderer(body, prepared, service.tokenizer))

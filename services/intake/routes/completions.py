@@ -22,7 +22,7 @@ from services.intake.openai_format import (
 )
 from services.intake.openai_models import CompletionRequest
 from services.intake.routes.deps import ServiceDep
-from services.intake.routes.fleet_run import created_now, parse_body, run
+from services.intake.routes.fleet_run import created_now, prepare, run, session_header
 from services.intake.sampling_fields import Prepared
 
 router = APIRouter()
@@ -98,7 +98,11 @@ class LegacyRenderer:
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request, service: ServiceDep) -> Response:
     tenant = service.keys.tenant_for(request.headers.get("authorization"))
-    body = await parse_body(request, CompletionRequest)
-    hint = request.headers.get("x-session-id") or body.user
-    prepared = service.prepare_completion(body, tenant=tenant, session_hint=hint)
+    header_hint = session_header(request)
+    body, prepared = await prepare(
+        request,
+        service,
+        CompletionRequest,
+        lambda b: service.prepare_completion(b, tenant=tenant, session_hint=header_hint or b.user),
+    )
     return await run(service, prepared, bool(body.stream), LegacyRenderer(body, prepared, service.tokenizer))

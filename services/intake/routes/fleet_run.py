@@ -22,36 +22,39 @@ from typing import Any, Protocol, TypeVar
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from services.intake.errors import IntakeError, InvalidRequest
-from services.intake.field_policy import refuse_unknown_nested
 from services.intake.generation import ChoiceResult, Delta, Job
+from services.intake.openai_models import MAX_SESSION_HINT
+from services.intake.request_body import decode, off_loop, read_body
 from services.intake.sampling_fields import Prepared
 from services.intake.service import IntakeService
 
 M = TypeVar("M", bound=BaseModel)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The body as ``model``; a 400 for bad JSON, a bad value, or a field kvmesh would ignore."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+async def prepare(
+    request: Request, service: IntakeService, model: type[M], build: Callable[[M], Prepared]
+) -> tuple[M, Prepared]:
+    """Read, decode and prepare (tokenize) the body: off the event loop when it is large."""
+    raw = await read_body(request, service.settings.max_body_bytes)
+
+    def work() -> tuple[M, Prepared]:
+        body = decode(raw, model)
+        return body, build(body)
+
+    return await off_loop(len(raw), work)
+
+
+def session_header(request: Request) -> str | None:
+    """The ``X-Session-Id`` header (a session hint like ``user``), bounded as ``user`` is."""
+    hint = request.headers.get("x-session-id")
+    if hint is not None and len(hint) > MAX_SESSION_HINT:
         raise InvalidRequest(
-            "We could not parse the JSON body of your request.", code="invalid_json"
-        ) from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from None
-    refuse_unknown_nested(body, data)
-    return body
+            f"'X-Session-Id' is longer than {MAX_SESSION_HINT} characters.", param="X-Session-Id"
+        )
+    return hint or None
 
 
 class Renderer(Protocol):

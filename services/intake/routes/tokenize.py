@@ -17,8 +17,8 @@ from pydantic import BaseModel, Field
 from kvmesh.tokenizer import ChatMessage, render_chat
 from services.intake.errors import InvalidRequest, ModelNotFound
 from services.intake.openai_models import Message
+from services.intake.request_body import parse_body
 from services.intake.routes.deps import ServiceDep
-from services.intake.routes.fleet_run import parse_body
 
 router = APIRouter()
 
@@ -38,7 +38,7 @@ class DetokenizeRequest(BaseModel):
 
 @router.post("/tokenize", response_model=None)
 async def tokenize(request: Request, service: ServiceDep) -> Response:
-    body = await parse_body(request, TokenizeRequest)
+    body = await parse_body(request, TokenizeRequest, service.settings.max_body_bytes)
     _check_model(service.settings.model_name, body.model)
     tok = service.tokenizer
     if (body.prompt is None) == (body.messages is None):
@@ -60,7 +60,7 @@ async def tokenize(request: Request, service: ServiceDep) -> Response:
 
 @router.post("/detokenize", response_model=None)
 async def detokenize(request: Request, service: ServiceDep) -> Response:
-    body = await parse_body(request, DetokenizeRequest)
+    body = await parse_body(request, DetokenizeRequest, service.settings.max_body_bytes)
     _check_model(service.settings.model_name, body.model)
     if any(t < 0 or t >= service.tokenizer.vocab_size for t in body.tokens):
         raise InvalidRequest("A token id is outside the vocabulary.", param="tokens")

@@ -291,3 +291,32 @@ async def test_a_sink_that_refuses_blocks_is_a_commit_failure() -> None:
     async with BlockServer(src, secret=SECRET) as server:
         result = await BlockClient(SECRET).fetch(server.address, hashes, 0, NS, Refusing(LAYOUT))
     assert result.received == [] and result.error is FailReason.COMMIT_FAILED
+
+
+async def test_unauthenticated_connections_cannot_take_the_servers_memory_or_slots() -> None:
+    """A flood of half-open connections, each declaring a 1 MiB request and sending part of it, holds
+    at most the pending-bytes budget and the connection cap; an honest fetch still works after."""
+    src = MemoryBlockStore(LAYOUT)
+    hashes = chain(src, 3)
+    sm = TransferMetrics()
+    server = BlockServer(src, secret=SECRET, metrics=sm, max_connections=16, max_pending_bytes=256 << 10)
+    async with server:
+        host, port = server.address.split(":")
+        socks: list[socket.socket] = []
+        try:
+            for i in range(40):
+                s = socket.create_connection((host, int(port)))
+                # declared 1 MiB; the first 20 send 100 KiB of junk, the rest nothing
+                s.sendall(REQUEST_PREFIX.pack(1 << 20) + (b"\0" * (100 << 10) if i < 20 else b""))
+                socks.append(s)
+            await asyncio.sleep(0.5)
+            assert len(server._conns) <= 16 and sm.connections_refused >= 40 - 16
+            assert server._pending_bytes <= 256 << 10
+            assert sm.pending_bytes_refused >= 1  # 16 x 100 KiB would be over the budget
+        finally:
+            for s in socks:
+                s.close()
+        await asyncio.sleep(0.2)
+        assert server._pending_bytes == 0
+        good = await BlockClient(SECRET).fetch(server.address, hashes, 0, NS, MemoryBlockStore(LAYOUT))
+        assert good.ok

@@ -26,6 +26,8 @@ class TransferMetrics:
     too_many_blocks: int = 0
     layout_mismatch: int = 0
     bad_frames: int = 0
+    connections_refused: int = 0  # over max_connections, closed on accept
+    pending_bytes_refused: int = 0  # requests refused while the unauthenticated-bytes budget was full
     sent_by_tier: Counter[str] = field(default_factory=Counter)
     # client side
     fetches: int = 0

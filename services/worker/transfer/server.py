@@ -53,6 +53,13 @@ _BATCH_BYTES = 8 << 20
 MAX_PROBE_BYTES = 256 << 20
 #: How long a connection may take to send its request (an idle peer must not hold a task forever).
 REQUEST_TIMEOUT_S = 10.0
+#: Connections served at once; more are closed on accept (peers retry or recompute).
+DEFAULT_MAX_CONNECTIONS = 64
+#: Bytes of not yet authenticated requests held at once, over all connections. A request is read in
+#: pieces as its bytes arrive (never allocated at its declared length), so a peer that declares a
+#: large request and sends nothing holds nothing; one that sends junk holds at most this in all.
+DEFAULT_MAX_PENDING_BYTES = 8 << 20
+_READ_PIECE = 64 << 10
 
 
 class BlockServer:
@@ -72,6 +79,8 @@ class BlockServer:
         port: int = 0,
         secret: bytes,
         max_blocks: int = DEFAULT_MAX_BLOCKS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         metrics: TransferMetrics | None = None,
         insecure_dev: bool = False,
         replay_window_ms: int = 30_000,
@@ -81,6 +90,9 @@ class BlockServer:
         self.host = host
         self.port = port
         self.max_blocks = max_blocks
+        self.max_connections = max_connections
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0  # bytes of requests read but not yet authenticated
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self._secret = resolve_secret(secret, insecure_dev)
         self._auth = FleetAuth(self._secret, window_ms=replay_window_ms, clock=clock)
@@ -157,6 +169,10 @@ class BlockServer:
         while True:
             conn, _addr = await loop.sock_accept(self._sock)
             self.metrics.connections += 1
+            if len(self._conns) >= self.max_connections:
+                self.metrics.connections_refused += 1
+                conn.close()
+                continue
             task = loop.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
@@ -213,9 +229,28 @@ class BlockServer:
         (length,) = REQUEST_PREFIX.unpack(prefix)
         if length > MAX_REQUEST_BYTES:
             raise FrameError(f"request of {length} bytes exceeds {MAX_REQUEST_BYTES}")
-        body = bytearray(length)
-        await sockets.recv_exact(loop, conn, memoryview(body))
-        return BlockRequest.decode(bytes(body))
+        # Read in pieces as the bytes arrive, each counted against the server-wide budget of
+        # unauthenticated bytes before it is allocated (see DEFAULT_MAX_PENDING_BYTES).
+        body = bytearray()
+        held = 0
+        try:
+            while len(body) < length:
+                piece = min(_READ_PIECE, length - len(body))
+                if self._pending_bytes + piece > self.max_pending_bytes:
+                    self.metrics.pending_bytes_refused += 1
+                    raise FrameError("too many unauthenticated request bytes held; try again")
+                self._pending_bytes += piece
+                held += piece
+                buf = bytearray(piece)
+                n = await sockets.recv_some(loop, conn, [memoryview(buf)])
+                if n == 0:
+                    raise sockets.PeerClosed(len(body), length)
+                body += buf[:n]
+                self._pending_bytes -= piece - n
+                held -= piece - n
+            return BlockRequest.decode(bytes(body))
+        finally:
+            self._pending_bytes -= held
 
     async def _answer(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, status: Status, value: int = 0

@@ -34,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         "--block-size", type=int, default=None, help="the fleet's block size (default: 16, or 32 for vllm)"
     )
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument(
+        "--durable",
+        action="store_true",
+        help="keep the broker's topics in an object store (moto's S3 server) and Redis in an "
+        "append-only file, so either survives a crash and restart",
+    )
+    p.add_argument("--data-dir", default=None, help="with --durable: where Redis keeps its AOF")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     settings = DevStackSettings(
@@ -49,13 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         block_size=args.block_size,
         max_context=args.max_context,
+        durable=args.durable,
+        data_dir=args.data_dir,
+        supervise=True,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with DevStack(settings) as stack:
         sys.stderr.write(
-            f"\nkvmesh dev is up: intake {stack.intake_url}  broker {stack.kafka.bootstrap_servers}  "
-            f"redis {stack.redis_settings.url}  workers {', '.join(stack.worker_ids)}\n"
+            f"\nkvmesh dev is ready: intake {stack.intake_url}  broker {stack.kafka.bootstrap_servers}  "
+            f"redis {stack.redis_settings.url}  workers {', '.join(stack.worker_ids)}"
+            f"{'  (durable)' if args.durable else ''}\n"
+            "a service that dies is restarted; GET /readyz says whether requests can be served\n"
             f"try: kvmesh demo --url {stack.intake_url}    (Ctrl-C stops everything)\n\n"
         )
         with contextlib.suppress(KeyboardInterrupt):

@@ -24,10 +24,12 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -35,7 +37,12 @@ import httpx
 from streams.settings import KafkaSettings, RedisSettings
 
 if TYPE_CHECKING:
-    from streams.embedded import EmbeddedBroker, EmbeddedRedis
+    from streams.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedRedis
+
+#: Backoff of supervised restarts: first delay, growth, cap; a child that ran this long resets it.
+RESTART_FIRST_S = 0.5
+RESTART_MAX_S = 15.0
+RESTART_RESET_AFTER_S = 30.0
 
 log = logging.getLogger("kvmesh.dev")
 
@@ -63,6 +70,14 @@ class DevStackSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
     log_level: str = "INFO"
     ready_timeout_s: float = 120.0
+    #: The broker keeps its topics and committed offsets in an object store (moto's S3 server, a
+    #: process of its own) and Redis keeps an append-only file, so either can be killed and restarted
+    #: without losing what it held.
+    durable: bool = False
+    #: Where durable Redis keeps its append-only file (None: a temporary directory).
+    data_dir: str | None = None
+    #: Restart a service that dies, with exponential backoff (``kvmesh dev`` turns this on).
+    supervise: bool = False
 
 
 class _Child:
@@ -72,6 +87,9 @@ class _Child:
         self, name: str, argv: list[str], env: dict[str, str], sink: Callable[[str], object]
     ) -> None:
         self.name = name
+        self.argv = argv
+        self.env = env
+        self.started_s = time.monotonic()
         self.proc = subprocess.Popen(
             argv,
             env=env,
@@ -126,6 +144,13 @@ class DevStack:
         self._sink: Callable[[str], object] = sink or (lambda line: sys.stderr.write(line + "\n"))
         self.broker: EmbeddedBroker | None = None
         self.redis: EmbeddedRedis | None = None
+        self.object_store: EmbeddedObjectStore | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        #: name -> restarts by the supervisor (for tests and the chaos benchmark)
+        self.restarts: dict[str, int] = {}
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
         self.kafka = KafkaSettings()
         self.redis_settings = RedisSettings()
         self.children: dict[str, _Child] = {}
@@ -150,13 +175,25 @@ class DevStack:
             return
         self._started = True
         from streams.admin import ensure_topics
-        from streams.embedded import EmbeddedBroker, EmbeddedRedis
+        from streams.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedRedis
 
         s = self.settings
+        self._stopping.clear()
         try:
-            self.broker = EmbeddedBroker()
+            if s.durable:
+                self.object_store = EmbeddedObjectStore()
+                self.object_store.start()
+                self.broker = EmbeddedBroker(
+                    storage=self.object_store.storage, env=self.object_store.broker_env()
+                )
+                if s.data_dir is None:
+                    self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-dev-")
+                data = Path(s.data_dir or (self._tmp.name if self._tmp else "."))
+                self.redis = EmbeddedRedis(aof_dir=data / "redis")
+            else:
+                self.broker = EmbeddedBroker()
+                self.redis = EmbeddedRedis()
             bootstrap = self.broker.start()
-            self.redis = EmbeddedRedis()
             redis_url = self.redis.start()
             self.kafka = KafkaSettings(bootstrap_servers=bootstrap)
             self.redis_settings = RedisSettings(url=redis_url)
@@ -192,6 +229,9 @@ class DevStack:
                 self._spawn(wid, ["-m", "services.worker", "--worker-id", wid])
             self._spawn("intake", ["-m", "services.intake"])
             self._wait_ready()
+            if s.supervise:
+                self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="supervisor")
+                self._supervisor.start()
         except BaseException:
             self.stop()
             raise
@@ -230,9 +270,61 @@ class DevStack:
         argv = [sys.executable, *args]
         self.children[name] = _Child(name, argv, env or self._env, self._sink)
 
+    def _supervise(self) -> None:
+        """Restart a service that died, after a backoff that doubles per quick death (a crash loop
+        must not spin) and resets once the service has run for a while."""
+        delay: dict[str, float] = {}
+        dead_since: dict[str, float] = {}
+        while not self._stopping.wait(0.2):
+            now = time.monotonic()
+            with self._lock:
+                for name, child in list(self.children.items()):
+                    if child.alive():
+                        if now - child.started_s > RESTART_RESET_AFTER_S:
+                            delay.pop(name, None)
+                        continue
+                    first = dead_since.setdefault(name, now)
+                    wait = delay.get(name, RESTART_FIRST_S)
+                    if now - first < wait:
+                        continue
+                    dead_since.pop(name)
+                    delay[name] = min(wait * 2, RESTART_MAX_S)
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    log.warning(
+                        "%s exited with %s; restarting it (restart %d, after %.1fs)",
+                        name,
+                        child.proc.returncode,
+                        self.restarts[name],
+                        wait,
+                    )
+                    self._sink(f"[dev] {name} exited with {child.proc.returncode}; restarted")
+                    self.children[name] = _Child(name, child.argv, child.env, self._sink)
+
+    def kill_broker(self) -> None:
+        """SIGKILL the broker (a crash). In durable mode its data lives on in the object store."""
+        assert self.broker is not None
+        self.broker.kill()
+
+    def restart_broker(self) -> None:
+        """Start the broker again on its port; without durability it comes back empty, so the topics
+        are created again (what services had in flight there is gone)."""
+        assert self.broker is not None
+        from streams.admin import ensure_topics
+
+        self.broker.start()
+        asyncio.run(ensure_topics(self.kafka))
+
+    def kill_redis(self) -> None:
+        assert self.redis is not None
+        self.redis.kill()
+
+    def restart_redis(self) -> None:
+        assert self.redis is not None
+        self.redis.start()
+
     def restart_worker(self, worker_id: str) -> None:
         """Start a (killed) worker again under the same id."""
-        self._spawn(worker_id, ["-m", "services.worker", "--worker-id", worker_id])
+        self.restart(worker_id)
 
     def set_drain(self, worker_id: str, drain: bool = True, reason: str = "operator") -> None:
         """Drain (or undrain) a worker and return once its LoadReport says so, plus a moment for the
@@ -264,10 +356,18 @@ class DevStack:
         await asyncio.sleep(0.5)
 
     def kill(self, name: str) -> None:
-        """Kill a service process at once (SIGKILL): a crash, for fault tests."""
+        """Kill a service process at once (SIGKILL): a crash, for fault tests. With ``supervise``
+        the supervisor starts it again."""
         child = self.children[name]
         child.kill()
         child.wait(10)
+
+    def restart(self, name: str) -> None:
+        """Start a killed service again (the same command and environment)."""
+        with self._lock:
+            child = self.children[name]
+            if not child.alive():
+                self.children[name] = _Child(name, child.argv, child.env, self._sink)
 
     def _check_children(self) -> None:
         for name, child in self.children.items():
@@ -282,13 +382,14 @@ class DevStack:
         while True:
             self._check_children()
             try:
-                r = httpx.get(f"{self.intake_url}/healthz", timeout=1.0)
+                # ready, not merely alive: the broker takes records and a worker serves the model
+                r = httpx.get(f"{self.intake_url}/readyz", timeout=2.0)
                 if r.status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError("intake did not become healthy in time")
+                raise TimeoutError("intake did not become ready in time")
             time.sleep(0.2)
         remaining = max(deadline - time.monotonic(), 1.0)
         asyncio.run(self._wait_workers(remaining))
@@ -320,6 +421,10 @@ class DevStack:
         if not self._started:
             return
         self._started = False
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5)
+            self._supervisor = None
         # Intake first (no new work), workers next (they announce their blocks are gone), the rest last.
         order = ["intake", *[n for n in self.children if n.startswith("worker-")], "scheduler", "kvmanager"]
         try:
@@ -337,10 +442,13 @@ class DevStack:
             for child in self.children.values():
                 child.kill()
             self.children.clear()
-            for server in (self.redis, self.broker):
+            for server in (self.redis, self.broker, self.object_store):
                 if server is not None:
                     with contextlib.suppress(Exception):
                         server.stop()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp = None
 
 
 def _model_context(model_dir: object) -> int | None:

@@ -77,6 +77,28 @@ def _redis_pings(port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def _wait_port_free(port: int, timeout_s: float = 5.0) -> None:
+    """The old process has exited, but give the kernel a beat if the listening socket lingers."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((_LOOPBACK, port))
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def _http_answers(port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((_LOOPBACK, port), timeout=timeout_s) as s:
+            s.sendall(b"GET / HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            return s.recv(12).startswith(b"HTTP/")
+    except OSError:
+        return False
+
+
 class _ChildProcess:
     """One server child process with its log file; owns the process and the log file's lifetime."""
 
@@ -86,7 +108,7 @@ class _ChildProcess:
         self._log_file: IO[bytes] | None = None
         self.log_path: Path | None = None
 
-    def spawn(self, argv: list[str]) -> None:
+    def spawn(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         fd, path = tempfile.mkstemp(prefix=f"kvmesh-{self.name}-", suffix=".log")
         self.log_path = Path(path)
         self._log_file = os.fdopen(fd, "wb")
@@ -98,6 +120,7 @@ class _ChildProcess:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
 
     def log_tail(self, lines: int = 30) -> str:
@@ -121,6 +144,12 @@ class _ChildProcess:
                 raise EmbeddedStartError(f"{self.name} not ready after {timeout_s}s:\n{self.log_tail()}")
             time.sleep(0.05)
 
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no shutdown handler runs. The log is kept for ``log_tail``."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
     def stop(self, grace_s: float = 5.0, keep_log: bool = False) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
@@ -140,14 +169,24 @@ class _ChildProcess:
 
 
 class EmbeddedBroker:
-    """A tansu broker (in-memory storage) on a free loopback port, for dev and tests.
+    """A tansu broker on a free loopback port, for dev and tests.
 
     Owns the child process and its log file. Invariant: while ``bootstrap`` is not None the broker has
-    answered a Metadata request on that address. Topics live in memory and vanish on ``stop()``.
+    answered a Metadata request on that address. With the default ``memory://`` storage, topics vanish
+    when the process ends; with an object store (``storage="s3://BUCKET/"`` and ``env`` from
+    :meth:`EmbeddedObjectStore.broker_env`) topics, records and committed offsets outlive it.
     """
 
-    def __init__(self, port: int | None = None, ready_timeout_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        ready_timeout_s: float = 20.0,
+        storage: str = "memory://tansu/",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self._want_port = port
+        self.storage = storage
+        self.env = env
         self.ready_timeout_s = ready_timeout_s
         self.port: int | None = None
         self.bootstrap: str | None = None
@@ -179,8 +218,9 @@ class EmbeddedBroker:
                     "--advertised-listener-url",
                     url,
                     "--storage-engine",
-                    "memory://tansu/",
-                ]
+                    self.storage,
+                ],
+                env={**os.environ, **self.env} if self.env else None,
             )
             try:
                 self._child.wait_ready(lambda p=port: _metadata_answers(p), self.ready_timeout_s)
@@ -199,6 +239,15 @@ class EmbeddedBroker:
         """Terminate (then kill) the broker. Safe to call twice."""
         self._child.stop()
         self.bootstrap = None
+
+    def kill(self) -> None:
+        """SIGKILL the broker (a crash); ``start()`` brings it back on the same port."""
+        self._child.kill()
+        self._child.stop()
+        self.bootstrap = None
+        if self.port is not None:
+            self._want_port = self.port
+            _wait_port_free(self.port)
 
     @property
     def log_path(self) -> Path | None:
@@ -219,9 +268,14 @@ class EmbeddedRedis:
     ``start()``) come back on the same port, so clients can test reconnecting after an outage.
     """
 
-    def __init__(self, port: int | None = None, ready_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, port: int | None = None, ready_timeout_s: float = 10.0, aof_dir: Path | None = None
+    ) -> None:
         self.port: int | None = port
         self.ready_timeout_s = ready_timeout_s
+        #: With a directory, Redis keeps an append-only file there (fsync every second, Redis's
+        #: default trade-off): a restart, even after SIGKILL, reloads what it held.
+        self.aof_dir = aof_dir
         self.url: str | None = None
         self._child = _ChildProcess("redis")
 
@@ -243,9 +297,11 @@ class EmbeddedRedis:
         fixed = self.port is not None
         for attempt in range(1 if fixed else 3):
             port = self.port if self.port is not None else free_port()
-            self._child.spawn(
-                [binary, "--port", str(port), "--bind", _LOOPBACK, "--save", "", "--appendonly", "no"]
-            )
+            persist = ["--appendonly", "no"]
+            if self.aof_dir is not None:
+                self.aof_dir.mkdir(parents=True, exist_ok=True)
+                persist = ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.aof_dir)]
+            self._child.spawn([binary, "--port", str(port), "--bind", _LOOPBACK, "--save", "", *persist])
             try:
                 self._child.wait_ready(lambda p=port: _redis_pings(p), self.ready_timeout_s)
             except EmbeddedStartError:
@@ -265,21 +321,94 @@ class EmbeddedRedis:
         self.url = None
 
     def restart(self) -> str:
-        """Stop and start again on the same port (all data is lost: there is no persistence)."""
+        """Stop and start again on the same port (the data is lost unless ``aof_dir`` is set)."""
         self.stop()
-        # The old process has exited, but give the kernel a beat if the listening socket lingers.
-        deadline = time.monotonic() + 5.0
-        while self.port is not None and time.monotonic() < deadline:
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    s.bind((_LOOPBACK, self.port))
-                break
-            except OSError:
-                time.sleep(0.05)
+        if self.port is not None:
+            _wait_port_free(self.port)
         return self.start()
 
+    def kill(self) -> None:
+        """SIGKILL redis-server (a crash); ``start()`` brings it back on the same port."""
+        self._child.kill()
+        self.stop()
+        if self.port is not None:
+            _wait_port_free(self.port)
+
     def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedObjectStore:
+    """An S3-compatible object store (moto's server) on a free loopback port, for the broker's data.
+
+    Why moto: it is a Python package (``pip install "moto[server]"``), so a machine without Docker,
+    a JVM or node runs it, and it keeps the broker's topics in a process of its own, so killing and
+    restarting the broker loses nothing. It holds them in memory: a restart of the object store itself
+    loses them (an S3 server that writes to disk, such as s3rver, would keep them; it needs node). In
+    production the same broker setting points at real S3, or the fleet runs on Apache Kafka.
+    """
+
+    def __init__(self, bucket: str = "kvmesh-broker", ready_timeout_s: float = 30.0) -> None:
+        self.bucket = bucket
+        self.ready_timeout_s = ready_timeout_s
+        self.port: int | None = None
+        self.endpoint: str | None = None
+        self._child = _ChildProcess("s3")
+
+    @staticmethod
+    def binary() -> str:
+        path = shutil.which("moto_server")
+        if path is None:
+            raise EmbeddedStartError('moto_server not found; pip install "moto[server]"')
+        return path
+
+    def start(self) -> str:
+        """Start the server, create the bucket, return the endpoint URL."""
+        if self.endpoint is not None:
+            return self.endpoint
+        port = free_port()
+        self._child.spawn([self.binary(), "-H", _LOOPBACK, "-p", str(port)])
+        self._child.wait_ready(lambda: _http_answers(port), self.ready_timeout_s)
+        self.port = port
+        self.endpoint = f"http://{_LOOPBACK}:{port}"
+        import boto3  # moto's own dependency
+
+        creds = self.broker_env()
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
+            region_name=creds["AWS_DEFAULT_REGION"],
+        ).create_bucket(Bucket=self.bucket)
+        log.info("embedded object store on %s (bucket %s)", self.endpoint, self.bucket)
+        return self.endpoint
+
+    @property
+    def storage(self) -> str:
+        """The broker's ``--storage-engine`` value."""
+        return f"s3://{self.bucket}/"
+
+    def broker_env(self) -> dict[str, str]:
+        """What tansu's object-store engine reads (any credentials do: the server is local)."""
+        return {
+            "AWS_ENDPOINT": self.endpoint or "",
+            "AWS_ACCESS_KEY_ID": "kvmesh",
+            "AWS_SECRET_ACCESS_KEY": "kvmesh-local-object-store",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true",
+        }
+
+    def stop(self) -> None:
+        """Terminate the server (its data goes with it). Safe to call twice."""
+        self._child.stop()
+        self.endpoint = None
+
+    def __enter__(self) -> EmbeddedObjectStore:
         self.start()
         return self
 

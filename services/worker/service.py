@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from kvmesh.costmodel import fetch_beats_recompute
@@ -58,6 +59,10 @@ from streams.producer import TypedProducer, partition_for
 if TYPE_CHECKING:
     from kvmesh.costmodel import PerfProfile
     from services.worker.transfer import BlockClient, BlockServer
+
+#: How many admitted request ids a worker remembers to refuse a second Assignment of the same id
+#: (far more than requests can arrive within any deadline).
+ADMITTED_IDS_KEPT = 100_000
 
 log = logging.getLogger("kvmesh.worker")
 
@@ -93,6 +98,9 @@ class WorkerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self._running: dict[str, RunningRequest] = {}
+        # Request ids this worker has taken on (running or done), newest last: an Assignment for one
+        # of them (decided again after a rebalance, or by a second replica) is not run twice.
+        self._admitted: OrderedDict[str, None] = OrderedDict()
         self._ident: WorkerIdentity | None = None
         self._started = False
         self._stopping = False
@@ -101,6 +109,7 @@ class WorkerService:
         self._started_ms = 0
         self.metrics: dict[str, int] = {
             "assignments": 0,
+            "duplicate_assignments": 0,
             "completed": 0,
             "errors": 0,
             "rejected": 0,
@@ -268,6 +277,14 @@ class WorkerService:
         if isinstance(msg, Assignment):
             if msg.worker_id != self.worker_id:
                 return
+            rid = msg.request.request_id
+            if rid in self._admitted:
+                self.metrics["duplicate_assignments"] += 1
+                log.info("request %s was already assigned here; not running it twice", rid)
+                return
+            self._admitted[rid] = None
+            if len(self._admitted) > ADMITTED_IDS_KEPT:
+                self._admitted.popitem(last=False)
             self.metrics["assignments"] += 1
             await self._admit(msg)
         elif isinstance(msg, CancelRequest):

@@ -205,3 +205,20 @@ async def test_worker_publishes_load_and_kv_events(fleet: Fleet) -> None:
                         stored.update(rec.message.block_hashes if rec.message.kind == "stored" else [])
     finally:
         await consumer.stop()
+
+
+async def test_an_assignment_decided_twice_runs_once(fleet: Fleet) -> None:
+    """A request decided again (a rebalance, a second replica) reaches the worker twice: it is
+    decoded once, and one Completion answers it."""
+    req = _request("twice", _turn1())
+    first = await fleet.run(_assign(req, "worker-a"))
+    worker = fleet.workers["worker-a"]
+    before = worker.metrics["completed"]
+    again = _assign(req, "worker-a")  # a new record, not a redelivery of the old one
+    await fleet.producer.send(topics.ASSIGNMENTS, again)
+    async with asyncio.timeout(20):
+        while worker.metrics["duplicate_assignments"] < 1:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    assert worker.metrics["completed"] == before and worker.metrics["assignments"] == 1
+    assert fleet.completions["twice"] == first

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("streams", "worker", "transfer", "scheduler", "kvmanager", "fleet", "serve")
+BENCHES = ("streams", "worker", "transfer", "scheduler", "kvmanager", "fleet", "serve", "chaos")
 
 
 def main(argv: list[str] | None = None) -> int:

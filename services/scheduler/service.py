@@ -280,8 +280,15 @@ class SchedulerService:
             self.view.apply_kv_event(msg)
             self._advance(msg.event_ms)
         elif isinstance(msg, LoadReport):
+            known = self.view.workers.get(msg.worker_id)
+            before = known.report.started_ms if known is not None else None
             self.view.apply_load(msg)
             self._advance(msg.report_ms)
+            if before is not None and msg.started_ms > before:
+                # The worker restarted: what its previous instance held in flight is gone with it, and
+                # the new instance skips every assignment decided before it started (by decision
+                # time, the same figure on both sides), so each of those is decided again here, once.
+                self._redispatch_from(msg.worker_id, decided_before_ms=msg.started_ms)
         elif isinstance(msg, WorkerLost):
             if self._seen_in_snapshot.get(msg.worker_id, -1) > msg.declared_ms:
                 return  # the snapshot already holds what the worker stored after coming back
@@ -292,9 +299,15 @@ class SchedulerService:
             self.view.note_completion(msg)
             self._assigned.pop(msg.request_id, None)
 
-    def _redispatch_from(self, worker_id: str) -> None:
-        """Queue again every request assigned to a lost worker that never completed."""
-        orphans = [a for a in self._assigned.values() if a.worker_id == worker_id]
+    def _redispatch_from(self, worker_id: str, decided_before_ms: int | None = None) -> None:
+        """Queue again every request assigned to a lost (or restarted) worker that never completed;
+        after a restart only those decided before the new instance started."""
+        orphans = [
+            a
+            for a in self._assigned.values()
+            if a.worker_id == worker_id
+            and (decided_before_ms is None or (a.inputs is not None and a.inputs.now_ms < decided_before_ms))
+        ]
         for a in orphans:
             del self._assigned[a.request.request_id]
             self._reply_topics[a.request.request_id] = a.request.reply_topic

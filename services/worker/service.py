@@ -110,6 +110,7 @@ class WorkerService:
         self.metrics: dict[str, int] = {
             "assignments": 0,
             "duplicate_assignments": 0,
+            "stale_assignments": 0,
             "completed": 0,
             "errors": 0,
             "rejected": 0,
@@ -278,6 +279,13 @@ class WorkerService:
             if msg.worker_id != self.worker_id:
                 return
             rid = msg.request.request_id
+            if msg.inputs is not None and msg.inputs.now_ms < self._started_ms:
+                # Decided for this worker's previous instance (before a restart): the scheduler decides
+                # it again when it sees this instance's first LoadReport; running it here too would
+                # run it twice.
+                self.metrics["stale_assignments"] += 1
+                log.info("request %s was decided before this worker started; skipping it", rid)
+                return
             if rid in self._admitted:
                 self.metrics["duplicate_assignments"] += 1
                 log.info("request %s was already assigned here; not running it twice", rid)

@@ -128,3 +128,39 @@ async def test_restart_from_snapshot_reaches_same_view(
             assert restarted.stats.state_records < never_stopped.stats.state_records
             assert len(restarted.view.index) == 34
             assert restarted.view.index.to_dict() == never_stopped.view.index.to_dict()
+
+
+async def test_a_restarted_worker_gets_its_old_in_flight_requests_decided_again_once(
+    kafka_settings: KafkaSettings,
+) -> None:
+    """A worker restarts (its LoadReport's started_ms moves on): the requests its old instance had
+    in flight are decided again, each once; one decided after the restart is not."""
+    import dataclasses
+
+    t0 = now_ms()
+    async with TypedProducer(kafka_settings, "fake-workers") as prod:
+        await prod.send(LOAD, dataclasses.replace(load("w-0", t0), started_ms=t0 - 5000))
+        service = SchedulerService(settings(kafka_settings))
+        out = TypedConsumer(kafka_settings, [ASSIGNMENTS], None, from_beginning=True)
+        await out.start()
+        try:
+            async with service:
+                for i in range(3):
+                    await prod.send(REQUESTS, request(f"old-{i}", prompt(40, i), arrival_ms=t0 + 1 + i))
+                first = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 3)
+                assert {m.worker_id for m in first if isinstance(m, Assignment)} == {"w-0"}
+                # w-0 restarts at t0 + 100 and reports; old-0 had completed before it died
+                await prod.send(REPLIES, Completion("old-0", "s-old-0", "w-0", "stop", 40, 1))
+                await wait_for(lambda: "old-0" not in service._assigned)
+                await prod.send(LOAD, dataclasses.replace(load("w-0", t0 + 200), started_ms=t0 + 100))
+                again = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 2)
+                ids = sorted(m.request.request_id for m in again if isinstance(m, Assignment))
+                assert ids == ["old-1", "old-2"]
+                assert all(m.inputs is not None and m.inputs.now_ms >= t0 + 100 for m in again)
+                # the same report again (a heartbeat) re-decides nothing
+                await prod.send(LOAD, dataclasses.replace(load("w-0", t0 + 300), started_ms=t0 + 100))
+                await asyncio.sleep(1.0)
+                assert not [r for r in await out.getmany(timeout_ms=500) if isinstance(r.message, Assignment)]
+                assert service.stats.redispatched == 2
+        finally:
+            await out.stop()

@@ -222,3 +222,27 @@ async def test_an_assignment_decided_twice_runs_once(fleet: Fleet) -> None:
     await asyncio.sleep(0.5)
     assert worker.metrics["completed"] == before and worker.metrics["assignments"] == 1
     assert fleet.completions["twice"] == first
+
+
+async def test_an_assignment_decided_before_the_worker_started_is_skipped(fleet: Fleet) -> None:
+    """After a restart the scheduler decides the old instance's requests again; the new instance
+    must not also run what was decided for the old one (by the decision's own time)."""
+    import dataclasses
+
+    from schemas.messages import DecisionInputs
+
+    worker = fleet.workers["worker-a"]
+    old = dataclasses.replace(
+        _assign(_request("stale", _turn1()), "worker-a"),
+        inputs=DecisionInputs(worker._started_ms - 1, {}, {}, False, 1),
+    )
+    await fleet.producer.send(topics.ASSIGNMENTS, old)
+    async with asyncio.timeout(20):
+        while worker.metrics["stale_assignments"] < 1:
+            await asyncio.sleep(0.05)
+    fresh = dataclasses.replace(
+        _assign(_request("fresh", _turn1()), "worker-a"),
+        inputs=DecisionInputs(worker._started_ms + 1, {}, {}, False, 2),
+    )
+    c = await fleet.run(fresh)
+    assert c.finish_reason in ("stop", "length") and "stale" not in fleet.completions

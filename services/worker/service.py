@@ -101,6 +101,7 @@ class WorkerService:
         # Request ids this worker has taken on (running or done), newest last: an Assignment for one
         # of them (decided again after a rebalance, or by a second replica) is not run twice.
         self._admitted: OrderedDict[str, None] = OrderedDict()
+        self._kv_resync = False  # KV events were lost: the next publish sends a full snapshot
         self._ident: WorkerIdentity | None = None
         self._started = False
         self._stopping = False
@@ -111,6 +112,7 @@ class WorkerService:
             "assignments": 0,
             "duplicate_assignments": 0,
             "stale_assignments": 0,
+            "kv_event_gaps": 0,
             "completed": 0,
             "errors": 0,
             "rejected": 0,
@@ -486,8 +488,41 @@ class WorkerService:
         if self.engine is None or self._producer is None:
             return
         async with self._kv_publish:
-            for ev in self.engine.drain_kv_events():
-                await self._producer.send(topics.KV_EVENTS, ev)
+            if self._kv_resync:
+                try:
+                    await self._resync_locked()
+                except Exception as exc:  # still away: the flag stays, the next publish retries
+                    log.warning("worker %s could not resync its KV holdings yet: %s", self.worker_id, exc)
+                return
+            events = self.engine.drain_kv_events()
+            for i, ev in enumerate(events):
+                try:
+                    await self._producer.send(topics.KV_EVENTS, ev)
+                except Exception as exc:
+                    # The events from here on are lost (the broker was away): the fleet's view of
+                    # this worker has a gap. The next publish replaces it whole (cleared + holdings).
+                    self._kv_resync = True
+                    self.metrics["kv_event_gaps"] += 1
+                    log.warning(
+                        "worker %s lost %d KV events (%s); resyncing the fleet's view of it",
+                        self.worker_id,
+                        len(events) - i,
+                        exc,
+                    )
+                    return  # callers (the engine loop among them) go on; the resync repairs it
+
+    async def _resync_locked(self) -> None:
+        """Publish ``cleared`` then everything held (caller holds ``_kv_publish``): what the fleet
+        knew of this worker is replaced, so events lost in a gap leave nothing wrong behind."""
+        assert self._producer is not None
+        self.engine.drain_kv_events()  # superseded by the snapshot below
+        chunk = max(64, min(4096, self.settings.kafka.max_record_bytes // 64))
+        cleared = KvEvent(self.worker_id, "cleared", "gpu", [], event_ms=now_ms())
+        await self._producer.send(topics.KV_EVENTS, cleared)
+        for ev in self.engine.holdings_events(chunk):
+            await self._producer.send(topics.KV_EVENTS, ev)
+        self._kv_resync = False
+        log.info("worker %s resynced its KV holdings with the fleet", self.worker_id)
 
     async def _reannounce(self) -> None:
         """Publish everything still held as stored events (the KV manager dropped our blocks)."""
@@ -511,8 +546,14 @@ class WorkerService:
             await asyncio.sleep(interval)
             # Retain hints carry absolute deadlines; the worker's own clock retires them.
             self.engine.expire_retains(now_ms())
-            await self._publish_kv_events()
-            await self._publish_load(force=True)
+            try:
+                await self._publish_kv_events()
+                await self._publish_load(force=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # The broker is away: keep beating; a heartbeat that dies here never comes back.
+                log.warning("worker %s could not publish load/events: %s", self.worker_id, exc)
 
     async def _publish_load(self, force: bool = False, draining: bool = False) -> None:
         if self.engine is None or self._producer is None:

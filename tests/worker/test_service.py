@@ -246,3 +246,44 @@ async def test_an_assignment_decided_before_the_worker_started_is_skipped(fleet:
     )
     c = await fleet.run(fresh)
     assert c.finish_reason in ("stop", "length") and "stale" not in fleet.completions
+
+
+async def test_kv_events_lost_to_a_broker_outage_are_repaired_by_a_resync(fleet: Fleet) -> None:
+    """A KV event the broker never took leaves a gap in the fleet's view of the worker; the worker
+    then publishes ``cleared`` and a snapshot of everything it holds, replacing that view whole."""
+    from streams.producer import PublishError
+
+    worker = fleet.workers["worker-a"]
+    assert worker._producer is not None
+    real_send = worker._producer.send
+    failed: list[object] = []
+
+    async def flaky(topic, message, *a, **kw):  # type: ignore[no-untyped-def]
+        if topic is topics.KV_EVENTS and not failed:
+            failed.append(message)
+            raise PublishError("broker away")
+        return await real_send(topic, message, *a, **kw)
+
+    worker._producer.send = flaky  # type: ignore[method-assign]
+    c = await fleet.run(_assign(_request("gap", _turn1()), "worker-a"))
+    held = set(block_hashes(_turn1(), 16, NS)[: len(_turn1()) // 16])
+    consumer = TypedConsumer(fleet.kafka, [topics.KV_EVENTS], group_id=None, from_beginning=True)
+    await consumer.start()
+    try:
+        seen: list[KvEvent] = []
+        async with asyncio.timeout(20):
+            while True:
+                seen += [
+                    r.message
+                    for r in await consumer.getmany(timeout_ms=200)
+                    if r.message.worker_id == "worker-a"
+                ]
+                kinds = [e.kind for e in seen]
+                if "cleared" in kinds and held <= {
+                    h for e in seen[kinds.index("cleared") :] for h in e.block_hashes
+                }:
+                    break
+    finally:
+        await consumer.stop()
+    assert failed and c.finish_reason in ("stop", "length")
+    assert worker.metrics["kv_event_gaps"] == 1 and not worker._kv_resync

@@ -436,6 +436,20 @@ class DrainCommand:
     reason: str = "operator"
 
 
+@dataclass(frozen=True, slots=True)
+class ServiceHeartbeat:
+    """A scheduler or KV manager replica is alive, keyed by ``instance_id`` (workers' heartbeat is
+    their LoadReport). Intake is ready only while a scheduler's heartbeats arrive."""
+
+    SCHEMA: ClassVar[str] = "service_heartbeat"
+    VERSION: ClassVar[int] = 1
+
+    service: Literal["scheduler", "kvmanager"]
+    instance_id: str
+    report_ms: int
+    started_ms: int = 0
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     ChatRequest,
     CancelRequest,
@@ -448,4 +462,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ReplicateCommand,
     RetainHint,
     DrainCommand,
+    ServiceHeartbeat,
 )

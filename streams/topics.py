@@ -11,6 +11,7 @@ kvmesh.replies         request_id      TokenChunk, Completion                 de
 kvmesh.kv-events       worker_id       KvEvent                                delete (replay window)
 kvmesh.load            worker_id       LoadReport                             compact (latest per key)
 kvmesh.control         worker_id       WorkerLost, ReplicateCommand, Retain   delete (hours)
+kvmesh.heartbeats      instance_id     ServiceHeartbeat                       delete (minutes)
 kvmesh.dead-letter     source topic    raw bytes of undecodable records       delete (days)
 =====================  ==============  =====================================  ==========================
 """
@@ -29,6 +30,7 @@ from schemas.messages import (
     LoadReport,
     ReplicateCommand,
     RetainHint,
+    ServiceHeartbeat,
     TokenChunk,
     WorkerLost,
 )
@@ -77,10 +79,22 @@ CONTROL = TopicSpec(
     partitions=4,
     key_overrides=(("replicate_command", "target_worker"),),
 )
+HEARTBEATS = TopicSpec(
+    "kvmesh.heartbeats", "instance_id", (ServiceHeartbeat,), partitions=1, retention_ms=10 * 60 * 1000
+)
 DEAD_LETTER = TopicSpec(
     "kvmesh.dead-letter", "source_topic", (), partitions=1, retention_ms=7 * 24 * 3600 * 1000
 )
 
-ALL_TOPICS: tuple[TopicSpec, ...] = (REQUESTS, ASSIGNMENTS, REPLIES, KV_EVENTS, LOAD, CONTROL, DEAD_LETTER)
+ALL_TOPICS: tuple[TopicSpec, ...] = (
+    REQUESTS,
+    ASSIGNMENTS,
+    REPLIES,
+    KV_EVENTS,
+    LOAD,
+    CONTROL,
+    HEARTBEATS,
+    DEAD_LETTER,
+)
 
 BY_NAME: dict[str, TopicSpec] = {t.name: t for t in ALL_TOPICS}

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from schemas.messages import LoadReport
+from schemas.messages import LoadReport, ServiceHeartbeat
 from streams import topics
 from streams.consumer import TypedConsumer
 from streams.settings import KafkaSettings
@@ -39,6 +39,7 @@ class FeatureBoard:
         self.live_s = live_s
         self.block_size = block_size
         self._workers: dict[str, _Seen] = {}
+        self._replicas: dict[tuple[str, str], float] = {}  # (service, instance) -> seen_s
 
     def observe(self, report: LoadReport, now_s: float) -> None:
         refused = self.block_size is not None and report.block_size != self.block_size
@@ -50,6 +51,14 @@ class FeatureBoard:
         self._workers[report.worker_id] = _Seen(
             report.model, report.engine, frozenset(report.features), now_s, report.decode_ms_per_step
         )
+
+    def observe_heartbeat(self, beat: ServiceHeartbeat, now_s: float) -> None:
+        self._replicas[(beat.service, beat.instance_id)] = now_s
+
+    def live_replicas(self, service: str, now_s: float) -> list[str]:
+        """Instances of ``service`` (scheduler, kvmanager) whose heartbeat arrived within ``live_s``."""
+        seen = list(self._replicas.items())
+        return sorted(i for (svc, i), t in seen if svc == service and now_s - t <= self.live_s)
 
     def live(self, model: str, now_s: float) -> list[_Seen]:
         # list(): prepare may run in a worker thread while the feed adds reports
@@ -75,7 +84,7 @@ class FeatureBoard:
 
 
 class FeatureFeed:
-    """Reads the load topic (from its end: heartbeats repeat) into a :class:`FeatureBoard`."""
+    """Reads the load and heartbeats topics (from their end: both repeat) into a :class:`FeatureBoard`."""
 
     def __init__(self, kafka: KafkaSettings, board: FeatureBoard) -> None:
         self.kafka = kafka
@@ -84,7 +93,9 @@ class FeatureFeed:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        consumer = TypedConsumer(self.kafka, [topics.LOAD], group_id=None, from_beginning=False)
+        consumer = TypedConsumer(
+            self.kafka, [topics.LOAD, topics.HEARTBEATS], group_id=None, from_beginning=False
+        )
         await consumer.start()
         self._consumer = consumer
         self._task = asyncio.create_task(self._run(), name="kvmesh-intake-features")
@@ -114,3 +125,5 @@ class FeatureFeed:
             for r in records:
                 if isinstance(r.message, LoadReport):
                     self.board.observe(r.message, now)
+                elif isinstance(r.message, ServiceHeartbeat):
+                    self.board.observe_heartbeat(r.message, now)

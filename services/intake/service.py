@@ -74,15 +74,20 @@ class IntakeService:
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
         """Whether a request sent now can be served, and why not: connected, the broker taking
-        records, and a live worker of the served model (from its LoadReports)."""
+        records, a live scheduler (its heartbeats) and a live worker of the served model (its
+        LoadReports)."""
         model = self.settings.model_name
-        workers = len(self.features.live(model, time.monotonic()))
+        now = time.monotonic()
+        workers = len(self.features.live(model, now))
+        schedulers = self.features.live_replicas("scheduler", now)
         checks: dict[str, object] = {
             "connected": self.client.started,
             "broker": self.client.publish_failures == 0,
             "live_workers": workers,
+            "live_schedulers": len(schedulers),
         }
-        return bool(self.client.started and self.client.publish_failures == 0 and workers), checks
+        ok = self.client.started and self.client.publish_failures == 0 and workers and schedulers
+        return bool(ok), checks
 
     def __repr__(self) -> str:
         return f"IntakeService(intake_id={self.settings.intake_id!r}, in_flight={self.in_flight})"

@@ -35,6 +35,7 @@ from services.kvmanager.placement import PlacementConfig, PlacementEngine
 from streams.admin import ensure_topics
 from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
+from streams.heartbeat import Heartbeat
 from streams.producer import TypedProducer
 from streams.topics import CONTROL, KV_EVENTS, LOAD, REQUESTS, TopicSpec
 
@@ -89,6 +90,7 @@ class KvManagerService:
         self.consumer: TypedConsumer | None = None
         self.producer: TypedProducer | None = None
         self._task: asyncio.Task[None] | None = None
+        self._heartbeat: Heartbeat | None = None
         self._redis_ok = True
         self._next_redis_try = 0
         self._next_verify = 0
@@ -130,6 +132,8 @@ class KvManagerService:
             len(resume),
         )
         self._task = asyncio.create_task(self._run(), name="kvmanager-loop")
+        self._heartbeat = Heartbeat(self.producer, "kvmanager", s.manager_id)
+        self._heartbeat.start()
 
     async def _load_directory(self) -> None:
         """Load the directory from Redis, waiting for Redis to answer (nothing can start without it)."""
@@ -150,6 +154,9 @@ class KvManagerService:
                 await asyncio.sleep(self.settings.redis_retry_ms / 1000)
 
     async def stop(self) -> None:
+        heartbeat, self._heartbeat = self._heartbeat, None
+        if heartbeat is not None:
+            await heartbeat.stop()
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -82,7 +82,10 @@ class Router:
             return Decision(None, None, [], deferred=True, reason="tenant_cap")
         live = view.live_workers(now_ms, req.model)
         if not live:
-            if now_ms - req.arrival_ms < s.no_worker_hold_ms:
+            # A request with a deadline waits for a worker until then (the check above rejects it
+            # past it): a fleet whose workers are restarting is late, not down. Without a deadline
+            # the wait is no_worker_hold_ms.
+            if req.deadline_ms is not None or now_ms - req.arrival_ms < s.no_worker_hold_ms:
                 return Decision(None, None, [], deferred=True, reason="no_live_workers")
             msg = f"no live worker serves model {req.model!r}"
             return Decision(None, rejection(req, msg), [], reason="no_live_workers")

@@ -45,6 +45,7 @@ from services.scheduler.view import FleetView
 from streams.admin import ensure_topics
 from streams.clock import now_ms as wall_ms
 from streams.consumer import Record, TypedConsumer
+from streams.heartbeat import Heartbeat
 from streams.producer import TypedProducer
 from streams.topics import ASSIGNMENTS, BY_NAME, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
 
@@ -101,6 +102,7 @@ class SchedulerService:
         # Assigned but not completed: re-decided if their worker is declared lost, so a worker that
         # vanishes mid-request loses no request (bounded: oldest dropped past max_tracked_inflight).
         self._assigned: dict[str, Assignment] = {}
+        self._heartbeat: Heartbeat | None = None
         # Input positions for exact replay (schemas.messages.DecisionInputs): per "topic/partition" the
         # next offset not applied, where reading began, and what the previous decision recorded.
         self._applied: dict[str, int] = {}
@@ -145,6 +147,8 @@ class SchedulerService:
             await self._close()
             raise
         self._task = asyncio.create_task(self._loop(), name=f"scheduler-{s.scheduler_id}")
+        self._heartbeat = Heartbeat(self._producer, "scheduler", s.scheduler_id)
+        self._heartbeat.start()
         log.info(
             "scheduler %s started: policy %s, %d blocks, %d workers, snapshot %s",
             s.scheduler_id,
@@ -155,6 +159,9 @@ class SchedulerService:
         )
 
     async def stop(self) -> None:
+        if self._heartbeat is not None:
+            await self._heartbeat.stop()
+            self._heartbeat = None
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

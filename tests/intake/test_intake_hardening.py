@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import ECHO_WORKER, EchoWorker, auth, chat_body, intake, make_settings
 
-from schemas.messages import LoadReport
+from schemas.messages import LoadReport, ServiceHeartbeat
 from streams import topics
 from streams.admin import ensure_topics
 from streams.embedded import EmbeddedBroker
@@ -42,6 +42,10 @@ def _report(worker: str, decode_ms: float, now_ms: int) -> LoadReport:
         prefill_ms_per_token=0.1,
         decode_ms_per_step=decode_ms,
     )
+
+
+def _beat() -> ServiceHeartbeat:
+    return ServiceHeartbeat("scheduler", "scheduler-0", int(time.time() * 1000))
 
 
 async def test_bad_input_is_a_clear_4xx_before_any_work(
@@ -147,8 +151,15 @@ async def test_a_dead_broker_gives_fast_json_503s_and_intake_heals_when_it_retur
         await ensure_topics(kafka)
         settings = make_settings(kafka, publish_timeout_s=1.0, request_timeout_s=3.0)
         async with intake(settings) as (app, http):
+            # ready needs a live worker and a live scheduler: neither yet
+            first = await http.get("/readyz")
+            assert first.status_code == 503 and first.json()["live_schedulers"] == 0
             async with TypedProducer(kafka, producer_id="probe") as producer:
                 await producer.send(topics.LOAD, _report("w0", 1.0, int(time.time() * 1000)))
+                await asyncio.sleep(0.5)
+                assert (await http.get("/readyz")).json()["live_workers"] == 1
+                assert (await http.get("/readyz")).status_code == 503  # still no scheduler
+                await producer.send(topics.HEARTBEATS, _beat())
             async with asyncio.timeout(10):
                 while (await http.get("/readyz")).status_code != 200:
                     await asyncio.sleep(0.1)
@@ -177,8 +188,9 @@ async def test_a_dead_broker_gives_fast_json_503s_and_intake_heals_when_it_retur
             async with TypedProducer(kafka, producer_id="probe2") as producer:
                 async with asyncio.timeout(30):
                     while True:
-                        await ensure_topics(kafka, [topics.LOAD])
+                        await ensure_topics(kafka, [topics.LOAD, topics.HEARTBEATS])
                         await producer.send(topics.LOAD, _report("w0", 1.0, int(time.time() * 1000)))
+                        await producer.send(topics.HEARTBEATS, _beat())
                         if (await http.get("/readyz")).status_code == 200:
                             break
                         await asyncio.sleep(0.5)

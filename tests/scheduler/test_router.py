@@ -34,6 +34,11 @@ def test_no_live_workers_holds_then_rejects() -> None:
     assert held.deferred and held.reason == "no_live_workers" and held.rejection is None
     d = router.decide(req, 3000)
     assert d.rejection is not None and "no live worker" in (d.rejection.error or "")
+    # with a deadline it waits until then, not no_worker_hold_ms
+    timed = request("r2", prompt(40), arrival_ms=1000, deadline_ms=20_000)
+    assert router.decide(timed, 19_000).deferred
+    late = router.decide(timed, 20_001)
+    assert late.rejection is not None and late.reason == "deadline"
 
 
 def test_timed_out_and_draining_workers_are_not_live() -> None:

@@ -164,3 +164,21 @@ async def test_a_restarted_worker_gets_its_old_in_flight_requests_decided_again_
                 assert service.stats.redispatched == 2
         finally:
             await out.stop()
+
+
+async def test_a_running_scheduler_heartbeats(kafka_settings: KafkaSettings) -> None:
+    from schemas.messages import ServiceHeartbeat
+    from streams.topics import HEARTBEATS
+
+    service = SchedulerService(settings(kafka_settings, scheduler_id="scheduler-7"))
+    beats = TypedConsumer(kafka_settings, [HEARTBEATS], None, from_beginning=True)
+    await beats.start()
+    try:
+        async with service:
+            got = await collect(
+                beats, lambda g: len([b for b in g if isinstance(b, ServiceHeartbeat)]) >= 2, 10
+            )
+        assert {(b.service, b.instance_id) for b in got} == {("scheduler", "scheduler-7")}
+        assert got[1].report_ms > got[0].report_ms and got[0].started_ms <= got[0].report_ms
+    finally:
+        await beats.stop()

@@ -55,7 +55,7 @@ def test_dev_comes_up_answers_and_one_ctrl_c_stops_every_process() -> None:
         assert proc.stderr is not None
         deadline = time.monotonic() + 120
         for line in proc.stderr:
-            if "kvmesh dev is up" in line:
+            if "kvmesh dev is ready" in line:
                 break
             assert time.monotonic() < deadline, "kvmesh dev did not come up"
         assert f"127.0.0.1:{port}" in line
@@ -69,6 +69,16 @@ def test_dev_comes_up_answers_and_one_ctrl_c_stops_every_process() -> None:
             json={"model": "kvmesh-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).json()
+        assert ready["status"] == "ready" and ready["live_workers"] == 1 and ready["live_schedulers"] == 1
+        # supervised: a service killed outright is started again, and the fleet answers again
+        victim = _service_pid(children, "services.kvmanager")
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _service_pid(_descendants(proc.pid), "services.kvmanager") in (None, victim):
+            assert time.monotonic() < deadline, "the killed kvmanager was not restarted"
+            time.sleep(0.2)
+        children = _descendants(proc.pid)
         # Ctrl-C in a terminal: SIGINT to the foreground process group
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0
@@ -78,6 +88,17 @@ def test_dev_comes_up_answers_and_one_ctrl_c_stops_every_process() -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _service_pid(pids: set[int], module: str) -> int | None:
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if module.encode() in f.read() and _alive(pid):
+                    return pid
+        except OSError:
+            continue
+    return None
 
 
 def _alive(pid: int) -> bool:

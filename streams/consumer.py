@@ -157,6 +157,7 @@ class TypedConsumer:
         self._dedup = SeqDeduplicator()
         self._done: dict[TopicPartition, int] = {}
         self._committed: dict[TopicPartition, int] = {}
+        self._caps: dict[TopicPartition, int] = {}  # commit no further (see commit)
         self._consumer: AIOKafkaConsumer | None = None
         # broker topic name -> catalog name
         self._catalog: dict[str, str] = {}
@@ -277,18 +278,24 @@ class TypedConsumer:
         ends = await consumer.end_offsets(tps) if tps else {}
         return {(self._catalog_name(tp.topic), tp.partition): off for tp, off in ends.items()}
 
-    async def commit(self) -> None:
-        """Commit the offsets of every record dealt with so far (no-op without a group)."""
+    async def commit(self, limits: dict[tuple[TopicSpec, int], int] | None = None) -> None:
+        """Commit the offsets of every record dealt with so far (no-op without a group).
+
+        ``limits`` caps the commit of some partitions at an offset (records from there on are read
+        again by whoever takes the partition over): the owner still holds them undecided."""
+        # kept: a rebalance that takes the partitions away commits under the same caps
+        self._caps = {self._tp(t, p): off for (t, p), off in (limits or {}).items()}
         await self._commit_done()
 
     async def _commit_done(self, only: set[TopicPartition] | None = None) -> None:
         consumer = self._consumer
         if consumer is None or self.group_id is None:
             return
+        caps = self._caps
         offsets = {
-            tp: OffsetAndMetadata(off, "")
+            tp: OffsetAndMetadata(min(off, caps.get(tp, off)), "")
             for tp, off in self._done.items()
-            if (only is None or tp in only) and self._committed.get(tp) != off
+            if (only is None or tp in only) and self._committed.get(tp) != min(off, caps.get(tp, off))
         }
         if not offsets:
             return

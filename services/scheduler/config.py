@@ -45,6 +45,9 @@ class SchedulerSettings(BaseSettings):
     use_snapshot: bool = True
     # Read Completions from the replies topic to free per-tenant in-flight slots.
     track_completions: bool = True
+    # While requests are held, mark decisions in Redis so that a replica taking over after a crash
+    # skips the requests it reads again that were already decided (held_requests.py).
+    mark_decided: bool = True
     create_topics: bool = True
     # How long start() reads state topics up to their end before taking requests.
     catch_up_timeout_s: float = 10.0

@@ -109,7 +109,9 @@ class FairDispatcher:
                         break
                     d = decide(req, now_ms)
                     if d.deferred:
-                        if d.reason == "tenant_cap":
+                        # A tenant at its cap, or whose next request's model has no live worker, waits;
+                        # the others go on (a model without workers must not stall the rest).
+                        if d.reason in ("tenant_cap", "no_live_workers"):
                             blocked.add(tenant)
                             self._deficit[tenant] = 0
                             break

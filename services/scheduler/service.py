@@ -16,8 +16,9 @@ the replica reads the state topics up to their end, so its first decisions see t
 
 Event time: decisions take ``now_ms`` from the largest message time seen (arrival_ms, report_ms,
 declared_ms). Only while requests are held and nothing arrives does the loop advance it by the wall
-clock, so that held requests eventually expire. Held (deferred) requests are committed with their
-batch: a replica that crashes loses them (at most ``max_hold_ms`` worth) rather than replaying them late.
+clock, so that held requests eventually expire. The requests topic is committed up to the oldest
+request still held, and while any is held decisions are marked in Redis, so a replica that takes over
+after a crash decides the held ones and skips the rest (``held_requests.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from schemas.messages import (
 )
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.fairness import FairDispatcher
+from services.scheduler.held_requests import DecidedMarks, HeldPositions
 from services.scheduler.router import Decision, Router
 from services.scheduler.view import FleetView
 from streams.admin import ensure_topics
@@ -63,6 +65,7 @@ class SchedulerStats:
     cancels_forwarded: int = 0
     cancelled_queued: int = 0
     redispatched: int = 0
+    skipped_decided: int = 0  # read again after a crash, already decided by the replica before
     # state records applied in the drain right before a batch of decisions: records the consumer had
     # already fetched while it waited for requests, which a decision would otherwise not have seen
     state_applied_before_decide: int = 0
@@ -103,6 +106,12 @@ class SchedulerService:
         # vanishes mid-request loses no request (bounded: oldest dropped past max_tracked_inflight).
         self._assigned: dict[str, Assignment] = {}
         self._heartbeat: Heartbeat | None = None
+        # Held requests survive a crash (held_requests.py): positions of undecided requests cap the
+        # commit; while any is held, decisions are marked in Redis so a successor skips them.
+        self._held = HeldPositions()
+        self._marks = DecidedMarks(None)
+        self._own_marks_client = False
+        self._started_wall_ms = 0
         # Input positions for exact replay (schemas.messages.DecisionInputs): per "topic/partition" the
         # next offset not applied, where reading began, and what the previous decision recorded.
         self._applied: dict[str, int] = {}
@@ -139,6 +148,8 @@ class SchedulerService:
                 # reading starts there: replies at their end, kv-events after the snapshot
                 self._since.update({f"{t}/{p}": off for (t, p), off in offsets.items()})
             await self._catch_up()
+            self._marks = DecidedMarks(self._marks_client())
+            self._started_wall_ms = wall_ms()
             self._requests = TypedConsumer(
                 s.kafka, [REQUESTS], GROUP_ID, from_beginning=True, dlq=self._producer
             )
@@ -176,7 +187,22 @@ class SchedulerService:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    def _marks_client(self) -> Any | None:
+        if not self.settings.mark_decided:
+            return None
+        if self._redis is not None:
+            return self._redis
+        import redis.asyncio as aioredis
+
+        self._own_marks_client = True
+        return aioredis.from_url(self.settings.redis.url, **self.settings.redis.client_kwargs())
+
     async def _close(self) -> None:
+        if self._own_marks_client and self._marks.redis is not None:
+            with contextlib.suppress(Exception):
+                await self._marks.redis.aclose()
+            self._marks = DecidedMarks(None)
+            self._own_marks_client = False
         for name in ("_requests", "_state", "_producer"):
             part = getattr(self, name)
             setattr(self, name, None)
@@ -245,8 +271,9 @@ class SchedulerService:
                 for record in records:
                     self._apply_state(record)
                 requests = await self._requests.getmany(timeout_ms=poll)
+                skip = await self._decided_before(requests)
                 for record in requests:
-                    await self._on_request(record)
+                    await self._on_request(record, skip)
                 if self.settings.drain_state_before_decide and (requests or len(self.dispatcher)):
                     # state that arrived while we waited for requests: decide on it, not without it
                     late = await self._state.getmany(timeout_ms=0)
@@ -256,9 +283,10 @@ class SchedulerService:
                     records = records or late
                 if not records and not requests and len(self.dispatcher):
                     self.now_ms = max(self.now_ms, wall_ms())
-                await self._publish(self.dispatcher.drain(self.now_ms))
-                if requests:
-                    await self._requests.commit()
+                decisions = self.dispatcher.drain(self.now_ms)
+                await self._publish(decisions)
+                if requests or decisions:
+                    await self._settle(decisions)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -325,10 +353,41 @@ class SchedulerService:
                 "worker %s lost with %d requests in flight: re-deciding them", worker_id, len(orphans)
             )
 
-    async def _on_request(self, record: Record) -> None:
+    async def _decided_before(self, records: list[Record]) -> set[str]:
+        """Requests read again after a replica's crash that it had decided (their marks exist).
+        Only requests published before this replica started can be such."""
+        old = [
+            r.message.request_id
+            for r in records
+            if isinstance(r.message, ChatRequest) and r.message.arrival_ms < self._started_wall_ms
+        ]
+        return await self._marks.already_decided(old) if old else set()
+
+    async def _settle(self, decisions: list[Decision]) -> None:
+        """After a batch is published: forget what was decided, mark it while anything is still
+        held, and commit up to the oldest held request."""
+        assert self._requests is not None
+        decided: list[tuple[str, int | None]] = []
+        for d in decisions:
+            req = d.assignment.request if d.assignment is not None else None
+            rid = req.request_id if req is not None else (d.rejection.request_id if d.rejection else None)
+            if rid is None:
+                continue
+            self._held.done(rid)
+            decided.append((rid, req.deadline_ms if req is not None else None))
+        if len(self._held):
+            await self._marks.mark(decided, wall_ms())
+        limits = {(REQUESTS, p): off for p, off in self._held.commit_limits().items()}
+        await self._requests.commit(limits)
+
+    async def _on_request(self, record: Record, skip: set[str] | frozenset[str] = frozenset()) -> None:
         msg = record.message
         self.stats.requests += 1
         if isinstance(msg, ChatRequest):
+            if msg.request_id in skip:
+                self.stats.skipped_decided += 1
+                return
+            self._held.read(msg.request_id, record.partition, record.offset)
             self._advance(msg.arrival_ms)
             self._reply_topics[msg.request_id] = msg.reply_topic
             self.dispatcher.submit(msg)
@@ -341,6 +400,9 @@ class SchedulerService:
         queued = self.dispatcher.cancel(msg.request_id)
         if queued is not None:
             self.stats.cancelled_queued += 1
+            self._held.done(msg.request_id)
+            if len(self._held):
+                await self._marks.mark([(msg.request_id, queued.deadline_ms)], wall_ms())
             done = Completion(
                 msg.request_id, msg.session_id, "", "cancelled", len(queued.token_ids), 0, error=msg.reason
             )

@@ -67,3 +67,32 @@ def test_cancel_removes_queued_request() -> None:
     disp.submit(request("r1", prompt(32)))
     assert disp.cancel("r1") is not None and len(disp) == 0
     assert disp.cancel("r1") is None
+
+
+def test_a_model_without_workers_holds_only_its_tenant() -> None:
+    """A request whose model has no live worker waits; the other tenants' requests are decided."""
+    import dataclasses
+
+    view = FleetView()
+    view.apply_load(load("w-0", 1000))
+    disp = FairDispatcher(Router(view, RouterSettings()))
+    disp.submit(
+        dataclasses.replace(request("orphan", prompt(32), tenant="globex", deadline_ms=60_000), model="m-x")
+    )
+    disp.submit(request("ok", prompt(32), tenant="acme"))
+    out = disp.drain(1500)
+    assert [d.assignment.request.request_id for d in out if d.assignment] == ["ok"]
+    assert len(disp) == 1
+
+
+def test_held_positions_cap_the_commit_at_the_oldest_held_request() -> None:
+    from services.scheduler.held_requests import HeldPositions
+
+    held = HeldPositions()
+    held.read("a", 0, 7)
+    held.read("b", 0, 3)
+    held.read("c", 2, 11)
+    assert held.commit_limits() == {0: 3, 2: 11}
+    held.done("b")
+    held.done("c")
+    assert held.commit_limits() == {0: 7} and len(held) == 1

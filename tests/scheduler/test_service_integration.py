@@ -182,3 +182,53 @@ async def test_a_running_scheduler_heartbeats(kafka_settings: KafkaSettings) -> 
         assert got[1].report_ms > got[0].report_ms and got[0].started_ms <= got[0].report_ms
     finally:
         await beats.stop()
+
+
+async def test_held_requests_survive_a_replica_and_decided_ones_are_not_decided_again(
+    kafka_settings: KafkaSettings, redis_server: Any
+) -> None:
+    """A replica holds a request (no live worker for its model) while it decides two others, then
+    dies. Its successor decides the held one when a worker comes, and skips the two it reads again."""
+    import dataclasses
+
+    from streams.settings import RedisSettings
+
+    t0 = now_ms()
+    far = t0 + 120_000
+    redis = RedisSettings(url=redis_server.url)
+    held = dataclasses.replace(
+        request("held", prompt(40, 1), arrival_ms=t0 + 1, deadline_ms=far, tenant="globex", session="s"),
+        model="m-b",
+    )
+    # one session: one partition, so the decided ones sit after the held one and are read again
+    done = [
+        request(f"done-{i}", prompt(40, 2 + i), arrival_ms=t0 + 2 + i, deadline_ms=far, session="s")
+        for i in range(2)
+    ]
+    out = TypedConsumer(kafka_settings, [ASSIGNMENTS], None, from_beginning=True)
+    await out.start()
+    try:
+        async with TypedProducer(kafka_settings, "fake-workers") as prod:
+            await prod.send(LOAD, load("w-0", t0))  # serves kvmesh-tiny; nobody serves m-b
+            first = SchedulerService(settings(kafka_settings, redis=redis))
+            async with first:
+                await prod.send(REQUESTS, held)
+                await wait_for(lambda: len(first.dispatcher) == 1)
+                for r in done:
+                    await prod.send(REQUESTS, r)
+                got = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 2)
+                assert sorted(m.request.request_id for m in got) == ["done-0", "done-1"]
+                await wait_for(lambda: first._marks.written == 2)  # marked once published
+                assert len(first.dispatcher) == 1
+            # the successor: same group, reads again from the held request on
+            second = SchedulerService(settings(kafka_settings, redis=redis, scheduler_id="scheduler-1"))
+            async with second:
+                await wait_for(lambda: second.stats.skipped_decided == 2 and len(second.dispatcher) == 1)
+                await prod.send(LOAD, dataclasses.replace(load("w-1", now_ms()), model="m-b"))
+                late = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 1)
+                await asyncio.sleep(1.0)
+                late += [r.message for r in await out.getmany(timeout_ms=500)]
+        ids = [m.request.request_id for m in late if isinstance(m, Assignment)]
+        assert ids == ["held"] and [m.worker_id for m in late if isinstance(m, Assignment)] == ["w-1"]
+    finally:
+        await out.stop()

@@ -207,6 +207,8 @@ class DevStack:
                     "KVMESH_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
                     "KVMESH_REDIS_URL": redis_url,
                     "KVMESH_WORKER_FLEET_SECRET": self.fleet_secret,
+                    # the same secret signs workers' LoadReports; the other services verify them
+                    "KVMESH_FLEET_SECRET": self.fleet_secret,
                     "KVMESH_WORKER_GPU_BLOCKS": str(s.gpu_blocks),
                     "KVMESH_WORKER_DRAM_BLOCKS": str(s.dram_blocks),
                     "KVMESH_WORKER_DISK_BLOCKS": str(s.disk_blocks),

@@ -378,6 +378,9 @@ class LoadReport:
     #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which
     #: honoured none of them.
     features: list[str] = field(default_factory=list)
+    #: HMAC of the report under the fleet secret (schemas.report_signing); empty when unsigned. A
+    #: scheduler, KV manager or intake that knows the secret drops a report that does not verify.
+    signature: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.replay.errors import ReplayError
+from kvmesh.replay.report_check import env_report_check
 from schemas.codec import decode
 from schemas.errors import SchemaError
 from schemas.messages import Assignment, ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
@@ -244,7 +245,8 @@ def _apply(view: FleetView, msg: Any) -> None:
     if isinstance(msg, KvEvent):
         view.apply_kv_event(msg)
     elif isinstance(msg, LoadReport):
-        view.apply_load(msg)
+        if env_report_check().accept(msg):  # the live scheduler dropped what does not verify
+            view.apply_load(msg)
     elif isinstance(msg, WorkerLost):
         view.apply_worker_lost(msg)
     elif isinstance(msg, Completion):

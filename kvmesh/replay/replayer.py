@@ -42,6 +42,7 @@ from kvmesh.replay.exact import (
     has_inputs,
     replay_exact,
 )
+from kvmesh.replay.report_check import env_report_check
 from schemas.codec import decode
 from schemas.errors import SchemaError
 from schemas.messages import Assignment, ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
@@ -164,6 +165,8 @@ def replay(
             view.apply_kv_event(msg)
             now = max(now, msg.event_ms)
         elif isinstance(msg, LoadReport):
+            if not env_report_check().accept(msg):
+                continue  # as the live scheduler: a report that does not verify never happened
             view.apply_load(msg)
             now = max(now, msg.report_ms)
         elif isinstance(msg, WorkerLost):

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from schemas.messages import LoadReport, ServiceHeartbeat
+from schemas.report_signing import ReportCheck
 from streams import topics
 from streams.consumer import TypedConsumer
 from streams.settings import KafkaSettings
@@ -86,9 +87,10 @@ class FeatureBoard:
 class FeatureFeed:
     """Reads the load and heartbeats topics (from their end: both repeat) into a :class:`FeatureBoard`."""
 
-    def __init__(self, kafka: KafkaSettings, board: FeatureBoard) -> None:
+    def __init__(self, kafka: KafkaSettings, board: FeatureBoard, secret: bytes | None = None) -> None:
         self.kafka = kafka
         self.board = board
+        self.reports = ReportCheck(secret)
         self._consumer: TypedConsumer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -124,6 +126,7 @@ class FeatureFeed:
             now = time.monotonic()
             for r in records:
                 if isinstance(r.message, LoadReport):
-                    self.board.observe(r.message, now)
+                    if self.reports.accept(r.message):  # a forged worker is never "live"
+                        self.board.observe(r.message, now)
                 elif isinstance(r.message, ServiceHeartbeat):
                     self.board.observe_heartbeat(r.message, now)

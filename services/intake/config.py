@@ -37,6 +37,11 @@ class IntakeSettings(BaseSettings):
     request_timeout_s: float = Field(default=60.0, gt=0)
     # A publish the broker has not taken by then answers 503 (and marks the intake unready).
     publish_timeout_s: float = Field(default=5.0, gt=0)
+    # The fleet secret (KVMESH_FLEET_SECRET): LoadReports that do not verify under it are dropped
+    # (schemas.report_signing). None: dev mode, every report is taken.
+    fleet_secret: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("KVMESH_FLEET_SECRET", "fleet_secret")
+    )
     # Choices per request (``n``) and in all (legacy batches: prompts x n); each is a fleet request.
     max_n: int = Field(default=8, gt=0)
     max_choices: int = Field(default=32, gt=0)

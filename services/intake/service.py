@@ -70,7 +70,10 @@ class IntakeService:
         )
         self.in_flight = 0
         self.features = FeatureBoard(live_s=settings.worker_live_s, block_size=settings.block_size)
-        self._feed = FeatureFeed(settings.kafka, self.features)
+        secret = settings.fleet_secret
+        self._feed = FeatureFeed(
+            settings.kafka, self.features, secret.get_secret_value().encode() if secret else None
+        )
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
         """Whether a request sent now can be served, and why not: connected, the broker taking

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streams.settings import KafkaSettings, RedisSettings
@@ -18,6 +18,11 @@ class KvManagerSettings(BaseSettings):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
     manager_id: str = "kvmanager-0"
+    # The fleet secret (KVMESH_FLEET_SECRET): LoadReports that do not verify under it are dropped
+    # (schemas.report_signing). None: dev mode, every report is taken.
+    fleet_secret: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("KVMESH_FLEET_SECRET", "fleet_secret")
+    )
     # The fleet's block size: a worker announcing another one is refused (never indexed). None accepts
     # every size (a directory shared by fleets of several block sizes).
     block_size: int | None = Field(default=None, gt=0)

@@ -28,6 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from schemas.messages import ChatRequest, KvEvent, LoadReport
+from schemas.report_signing import ReportCheck
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import REDIS_DOWN_ERRORS, Directory, PendingFlush
 from services.kvmanager.liveness import liveness_now, lost_workers, worker_lost_message
@@ -91,6 +92,8 @@ class KvManagerService:
         self.producer: TypedProducer | None = None
         self._task: asyncio.Task[None] | None = None
         self._heartbeat: Heartbeat | None = None
+        secret = settings.fleet_secret
+        self._reports = ReportCheck(secret.get_secret_value().encode() if secret else None)
         self._redis_ok = True
         self._next_redis_try = 0
         self._next_verify = 0
@@ -232,6 +235,8 @@ class KvManagerService:
         bs = self.settings.block_size
         if isinstance(msg, LoadReport | KvEvent) and not self._block_size_ok(msg, bs):
             return []
+        if isinstance(msg, LoadReport) and not self._reports.accept(msg):
+            return []  # forged or unsigned under a fleet secret
         if isinstance(msg, KvEvent):
             self.directory.apply_kv_event(msg, env.event_ms)
             if self.on_flush is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.scheduler.registry import POLICIES
@@ -48,6 +48,11 @@ class SchedulerSettings(BaseSettings):
     # While requests are held, mark decisions in Redis so that a replica taking over after a crash
     # skips the requests it reads again that were already decided (held_requests.py).
     mark_decided: bool = True
+    # The fleet secret (KVMESH_FLEET_SECRET): LoadReports that do not verify under it are dropped
+    # (schemas.report_signing). None: dev mode, every report is taken.
+    fleet_secret: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("KVMESH_FLEET_SECRET", "fleet_secret")
+    )
     create_topics: bool = True
     # How long start() reads state topics up to their end before taking requests.
     catch_up_timeout_s: float = 10.0

@@ -39,6 +39,7 @@ from schemas.messages import (
     LoadReport,
     WorkerLost,
 )
+from schemas.report_signing import ReportCheck
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.fairness import FairDispatcher
 from services.scheduler.held_requests import DecidedMarks, HeldPositions
@@ -108,6 +109,9 @@ class SchedulerService:
         self._heartbeat: Heartbeat | None = None
         # Held requests survive a crash (held_requests.py): positions of undecided requests cap the
         # commit; while any is held, decisions are marked in Redis so a successor skips them.
+        self._reports = ReportCheck(
+            settings.fleet_secret.get_secret_value().encode() if settings.fleet_secret else None
+        )
         self._held = HeldPositions()
         self._marks = DecidedMarks(None)
         self._own_marks_client = False
@@ -315,6 +319,8 @@ class SchedulerService:
             self.view.apply_kv_event(msg)
             self._advance(msg.event_ms)
         elif isinstance(msg, LoadReport):
+            if not self._reports.accept(msg):
+                return  # forged or unsigned under a fleet secret: no worker is invented from it
             known = self.view.workers.get(msg.worker_id)
             before = known.report.started_ms if known is not None else None
             self.view.apply_load(msg)

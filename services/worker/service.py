@@ -45,6 +45,7 @@ from schemas.messages import (
     TokenChunk,
     WorkerLost,
 )
+from schemas.report_signing import sign as sign_report
 from schemas.token_ids import int_list
 from services.worker.config import WorkerSettings
 from services.worker.engine_api import EngineRequest, RequestRejected, StepOutput, WorkerEngine
@@ -567,4 +568,8 @@ class WorkerService:
         if self._ident is None:
             return
         report = build_load_report(self._ident, load, self._profile, now_ms(), draining or self._draining)
+        secret = self.settings.fleet_secret
+        if secret is not None and secret.get_secret_value():
+            # signed, so that nobody else who can write to Kafka passes for a worker
+            report = sign_report(report, secret.get_secret_value().encode())
         await self._producer.send(topics.LOAD, report)

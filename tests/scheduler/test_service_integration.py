@@ -232,3 +232,28 @@ async def test_held_requests_survive_a_replica_and_decided_ones_are_not_decided_
         assert ids == ["held"] and [m.worker_id for m in late if isinstance(m, Assignment)] == ["w-1"]
     finally:
         await out.stop()
+
+
+async def test_with_a_fleet_secret_a_forged_load_report_invents_no_worker(
+    kafka_settings: KafkaSettings,
+) -> None:
+    from pydantic import SecretStr
+
+    from schemas.report_signing import sign
+
+    t0 = now_ms()
+    service = SchedulerService(settings(kafka_settings, fleet_secret=SecretStr("s3cret")))
+    out = TypedConsumer(kafka_settings, [ASSIGNMENTS], None, from_beginning=True)
+    await out.start()
+    try:
+        async with TypedProducer(kafka_settings, "anyone") as prod, service:
+            await prod.send(LOAD, load("w-9", t0))  # unsigned: anyone can write to Kafka
+            await prod.send(LOAD, sign(load("w-8", t0), b"a-guess"))  # signed with the wrong secret
+            await prod.send(LOAD, sign(load("w-0", t0), b"s3cret"))
+            await wait_for(lambda: "w-0" in service.view.workers and service._reports.refused >= 2)
+            assert sorted(service.view.workers) == ["w-0"]
+            await prod.send(REQUESTS, request("r1", prompt(40), arrival_ms=t0 + 5))
+            got = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 1)
+            assert [m.worker_id for m in got if isinstance(m, Assignment)] == ["w-0"]
+    finally:
+        await out.stop()

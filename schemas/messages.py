@@ -310,6 +310,10 @@ class KvEvent:
     from_tier: str | None = None
     session_id: str | None = None
     event_ms: int = 0
+    #: This worker's count of KV events (1, 2, ...) within ``epoch`` (its start time, new on every
+    #: restart). A consumer that sees a gap asks the worker to resync (ResyncRequest); 0: unnumbered.
+    seq: int = 0
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         # frozen: the one place the fields are set after __init__; ValueError for negative hashes
@@ -440,6 +444,19 @@ class DrainCommand:
 
 
 @dataclass(frozen=True, slots=True)
+class ResyncRequest:
+    """Asks ``worker_id`` to replace what the fleet knows of its KV cache: it publishes ``cleared``
+    and then every block it holds. Sent by a KV manager or scheduler that saw a gap in its KV events."""
+
+    SCHEMA: ClassVar[str] = "resync_request"
+    VERSION: ClassVar[int] = 1
+
+    worker_id: str
+    requested_by: str
+    reason: str = "gap"
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceHeartbeat:
     """A scheduler or KV manager replica is alive, keyed by ``instance_id`` (workers' heartbeat is
     their LoadReport). Intake is ready only while a scheduler's heartbeats arrive."""
@@ -466,4 +483,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     RetainHint,
     DrainCommand,
     ServiceHeartbeat,
+    ResyncRequest,
 )

@@ -10,7 +10,8 @@ kvmesh.assignments     worker_id       Assignment, CancelRequest              de
 kvmesh.replies         request_id      TokenChunk, Completion                 delete (minutes)
 kvmesh.kv-events       worker_id       KvEvent                                delete (replay window)
 kvmesh.load            worker_id       LoadReport                             compact (latest per key)
-kvmesh.control         worker_id       WorkerLost, ReplicateCommand, Retain   delete (hours)
+kvmesh.control         worker_id       WorkerLost, ReplicateCommand, Retain,  delete (hours)
+                                       Drain, ResyncRequest
 kvmesh.heartbeats      instance_id     ServiceHeartbeat                       delete (minutes)
 kvmesh.dead-letter     source topic    raw bytes of undecodable records       delete (days)
 =====================  ==============  =====================================  ==========================
@@ -29,6 +30,7 @@ from schemas.messages import (
     KvEvent,
     LoadReport,
     ReplicateCommand,
+    ResyncRequest,
     RetainHint,
     ServiceHeartbeat,
     TokenChunk,
@@ -75,7 +77,7 @@ LOAD = TopicSpec("kvmesh.load", "worker_id", (LoadReport,), partitions=4, cleanu
 CONTROL = TopicSpec(
     "kvmesh.control",
     "worker_id",
-    (WorkerLost, ReplicateCommand, RetainHint, DrainCommand),
+    (WorkerLost, ReplicateCommand, RetainHint, DrainCommand, ResyncRequest),
     partitions=4,
     key_overrides=(("replicate_command", "target_worker"),),
 )

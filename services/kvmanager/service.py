@@ -27,7 +27,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from schemas.messages import ChatRequest, KvEvent, LoadReport
+from schemas.kv_sequence import KvSequence
+from schemas.messages import ChatRequest, KvEvent, LoadReport, ResyncRequest
 from schemas.report_signing import ReportCheck
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import REDIS_DOWN_ERRORS, Directory, PendingFlush
@@ -93,6 +94,7 @@ class KvManagerService:
         self._task: asyncio.Task[None] | None = None
         self._heartbeat: Heartbeat | None = None
         secret = settings.fleet_secret
+        self._kv_sequence = KvSequence()
         self._reports = ReportCheck(secret.get_secret_value().encode() if secret else None)
         self._redis_ok = True
         self._next_redis_try = 0
@@ -238,6 +240,12 @@ class KvManagerService:
         if isinstance(msg, LoadReport) and not self._reports.accept(msg):
             return []  # forged or unsigned under a fleet secret
         if isinstance(msg, KvEvent):
+            verdict = self._kv_sequence.observe(msg)
+            if verdict == "gap":
+                log.warning("gap in the KV events of %s: asking it to resync", msg.worker_id)
+                return [(CONTROL, ResyncRequest(msg.worker_id, self.settings.manager_id))]
+            if verdict == "drop":
+                return []
             self.directory.apply_kv_event(msg, env.event_ms)
             if self.on_flush is not None:
                 self._unflushed_event_ms.append(env.event_ms)

@@ -37,6 +37,7 @@ from schemas.messages import (
     DecisionInputs,
     KvEvent,
     LoadReport,
+    ResyncRequest,
     WorkerLost,
 )
 from schemas.report_signing import ReportCheck
@@ -274,6 +275,8 @@ class SchedulerService:
                 records = await self._state.getmany(timeout_ms=0)
                 for record in records:
                     self._apply_state(record)
+                if self.view.resync_wanted:
+                    await self._ask_resync()
                 requests = await self._requests.getmany(timeout_ms=poll)
                 skip = await self._decided_before(requests)
                 for record in requests:
@@ -296,6 +299,15 @@ class SchedulerService:
             except Exception:
                 log.exception("scheduler loop iteration failed; continuing")
                 await asyncio.sleep(0.2)
+
+    async def _ask_resync(self) -> None:
+        """Workers whose KV events had a gap in our view: ask each to resync (ResyncRequest)."""
+        assert self._producer is not None
+        wanted, self.view.resync_wanted = sorted(set(self.view.resync_wanted)), []
+        for worker in wanted:
+            log.warning("gap in the KV events of %s: asking it to resync", worker)
+            with contextlib.suppress(Exception):  # the KV manager asks too; the next gap asks again
+                await self._producer.send(CONTROL, ResyncRequest(worker, self.settings.scheduler_id))
 
     def _advance(self, t: int) -> None:
         if t > self.now_ms:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.costmodel import PerfProfile, decode_ms, queued_prefill_ms, recompute_ms
+from schemas.kv_sequence import KvSequence
 from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.router_state import ActiveBlocks, RoutedPrefixes
@@ -175,6 +176,10 @@ class FleetView:
         self.settings = settings or ViewSettings()
         self.index = PrefixIndex()
         self.workers: dict[str, WorkerState] = {}
+        # KV event numbering per worker (schemas.kv_sequence); workers whose events had a gap, for
+        # the scheduler service to ask for a resync (a replay only collects them).
+        self.kv_sequence = KvSequence()
+        self.resync_wanted: list[str] = []
         self.assignments_noted = 0
         self._lost: dict[str, int] = {}  # worker → declared_ms of its last WorkerLost
         self.refused: dict[str, str] = {}  # worker → why its announce was refused (block size)
@@ -214,6 +219,12 @@ class FleetView:
     # -- events ----------------------------------------------------------------------------------
     def apply_kv_event(self, ev: KvEvent) -> None:
         if ev.worker_id in self.refused:
+            return
+        verdict = self.kv_sequence.observe(ev)
+        if verdict != "apply":
+            # missed events of this worker: what we hold of it may be wrong until it resyncs
+            if verdict == "gap":
+                self.resync_wanted.append(ev.worker_id)
             return
         lost_ms = self._lost.get(ev.worker_id)
         if lost_ms is not None:

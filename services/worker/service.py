@@ -41,6 +41,7 @@ from schemas.messages import (
     DrainCommand,
     KvEvent,
     ReplicateCommand,
+    ResyncRequest,
     RetainHint,
     TokenChunk,
     WorkerLost,
@@ -103,6 +104,7 @@ class WorkerService:
         # of them (decided again after a rebalance, or by a second replica) is not run twice.
         self._admitted: OrderedDict[str, None] = OrderedDict()
         self._kv_resync = False  # KV events were lost: the next publish sends a full snapshot
+        self._kv_seq = 0  # KV events published by this instance (KvEvent.seq)
         self._ident: WorkerIdentity | None = None
         self._started = False
         self._stopping = False
@@ -249,7 +251,7 @@ class WorkerService:
             # gone, the KV manager's liveness check drops our blocks instead).
             async def farewell() -> None:
                 for ev in self.engine.release_all():
-                    await self._producer.send(topics.KV_EVENTS, ev)
+                    await self._send_kv(ev)
                 await self._publish_load(force=True, draining=True)
 
             with contextlib.suppress(Exception):
@@ -314,6 +316,11 @@ class WorkerService:
                 "worker %s %s (%s)", self.worker_id, "draining" if msg.drain else "undrained", msg.reason
             )
             await self._publish_load(force=True)
+        elif isinstance(msg, ResyncRequest) and msg.worker_id == self.worker_id and not self._stopping:
+            # A consumer missed some of our KV events: replace what the fleet knows of us.
+            log.info("worker %s resyncing its KV holdings (asked by %s)", self.worker_id, msg.requested_by)
+            self._kv_resync = True
+            await self._publish_kv_events()
         elif isinstance(msg, WorkerLost) and msg.worker_id == self.worker_id and not self._stopping:
             # We were declared lost (a long pause): re-announce everything we still hold.
             await self._reannounce()
@@ -498,7 +505,7 @@ class WorkerService:
             events = self.engine.drain_kv_events()
             for i, ev in enumerate(events):
                 try:
-                    await self._producer.send(topics.KV_EVENTS, ev)
+                    await self._send_kv(ev)
                 except Exception as exc:
                     # The events from here on are lost (the broker was away): the fleet's view of
                     # this worker has a gap. The next publish replaces it whole (cleared + holdings).
@@ -512,6 +519,15 @@ class WorkerService:
                     )
                     return  # callers (the engine loop among them) go on; the resync repairs it
 
+    async def _send_kv(self, ev: KvEvent) -> None:
+        """Publish one KV event, numbered (seq within this instance's epoch) so that consumers can
+        tell a gap; a number lost with a failed send is such a gap, and they ask for a resync."""
+        assert self._producer is not None
+        self._kv_seq += 1
+        await self._producer.send(
+            topics.KV_EVENTS, dataclasses.replace(ev, seq=self._kv_seq, epoch=self._started_ms)
+        )
+
     async def _resync_locked(self) -> None:
         """Publish ``cleared`` then everything held (caller holds ``_kv_publish``): what the fleet
         knew of this worker is replaced, so events lost in a gap leave nothing wrong behind."""
@@ -519,9 +535,9 @@ class WorkerService:
         self.engine.drain_kv_events()  # superseded by the snapshot below
         chunk = max(64, min(4096, self.settings.kafka.max_record_bytes // 64))
         cleared = KvEvent(self.worker_id, "cleared", "gpu", [], event_ms=now_ms())
-        await self._producer.send(topics.KV_EVENTS, cleared)
+        await self._send_kv(cleared)
         for ev in self.engine.holdings_events(chunk):
-            await self._producer.send(topics.KV_EVENTS, ev)
+            await self._send_kv(ev)
         self._kv_resync = False
         log.info("worker %s resynced its KV holdings with the fleet", self.worker_id)
 
@@ -536,7 +552,7 @@ class WorkerService:
             # Pending events first, then the snapshot; later changes follow in later drains.
             events = self.engine.drain_kv_events() + holdings(chunk)
             for ev in events:
-                await self._producer.send(topics.KV_EVENTS, ev)
+                await self._send_kv(ev)
         n = sum(len(ev.block_hashes) for ev in events if ev.kind == "stored")
         self.metrics["reannounced_blocks"] += n
         log.warning("worker %s was declared lost while alive: re-announced %d blocks", self.worker_id, n)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from schemas.messages import Assignment, CancelRequest, Completion
+from schemas.messages import Assignment, CancelRequest, Completion, KvEvent
 from services.kvmanager.snapshot import DirectorySnapshot
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.service import SchedulerService
@@ -257,3 +257,39 @@ async def test_with_a_fleet_secret_a_forged_load_report_invents_no_worker(
             assert [m.worker_id for m in got if isinstance(m, Assignment)] == ["w-0"]
     finally:
         await out.stop()
+
+
+async def test_a_gap_in_a_workers_kv_events_asks_it_to_resync(kafka_settings: KafkaSettings) -> None:
+    """KV event 3 of w-0 never arrives: the scheduler asks w-0 to resync, applies nothing more of it
+    until the resync's ``cleared``, then follows the snapshot."""
+    import dataclasses
+
+    from schemas.messages import ResyncRequest
+    from streams.topics import CONTROL
+
+    t0 = now_ms()
+    hs = request("x", prompt(80)).block_hashes
+    service = SchedulerService(settings(kafka_settings))
+    ctl = TypedConsumer(kafka_settings, [CONTROL], None, from_beginning=True)
+    await ctl.start()
+
+    def numbered(ev: KvEvent, seq: int) -> KvEvent:
+        return dataclasses.replace(ev, seq=seq, epoch=t0)
+
+    try:
+        async with TypedProducer(kafka_settings, "w-0") as prod, service:
+            await prod.send(LOAD, load("w-0", t0))
+            await prod.send(KV_EVENTS, numbered(stored("w-0", hs[:1], event_ms=t0), 1))
+            await prod.send(KV_EVENTS, numbered(stored("w-0", hs[1:2], event_ms=t0), 2))
+            # 3 is lost; 4 shows the gap
+            await prod.send(KV_EVENTS, numbered(stored("w-0", hs[3:4], event_ms=t0), 4))
+            got = await collect(ctl, lambda g: any(isinstance(m, ResyncRequest) for m in g))
+            [ask] = [m for m in got if isinstance(m, ResyncRequest)]
+            assert ask.worker_id == "w-0" and ask.requested_by == service.settings.scheduler_id
+            assert len(service.view.index) == 2  # 4 was not applied
+            cleared = KvEvent("w-0", "cleared", "gpu", [], [], event_ms=t0 + 1)
+            await prod.send(KV_EVENTS, numbered(cleared, 5))
+            await prod.send(KV_EVENTS, numbered(stored("w-0", hs[:3], event_ms=t0 + 1), 6))
+            await wait_for(lambda: len(service.view.index) == 3)
+    finally:
+        await ctl.stop()

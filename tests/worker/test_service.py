@@ -287,3 +287,31 @@ async def test_kv_events_lost_to_a_broker_outage_are_repaired_by_a_resync(fleet:
         await consumer.stop()
     assert failed and c.finish_reason in ("stop", "length")
     assert worker.metrics["kv_event_gaps"] == 1 and not worker._kv_resync
+
+
+async def test_a_resync_request_replaces_the_fleets_view_with_numbered_events(fleet: Fleet) -> None:
+    """Asked to resync, the worker publishes ``cleared`` then every block it holds, all numbered in
+    one sequence of its epoch (what consumers check for gaps)."""
+    from schemas.messages import ResyncRequest
+
+    worker = fleet.workers["worker-a"]
+    await fleet.run(_assign(_request("rs", _turn1()), "worker-a"))
+    held = set(block_hashes(_turn1(), 16, NS)[: len(_turn1()) // 16])
+    consumer = TypedConsumer(fleet.kafka, [topics.KV_EVENTS], group_id=None, from_beginning=True)
+    await consumer.start()
+    try:
+        await fleet.producer.send(topics.CONTROL, ResyncRequest("worker-a", "test"))
+        seen: list[KvEvent] = []
+        async with asyncio.timeout(20):
+            while True:
+                recs = await consumer.getmany(timeout_ms=200)
+                seen += [r.message for r in recs if r.message.worker_id == "worker-a"]
+                kinds = [e.kind for e in seen]
+                if "cleared" in kinds and held <= {
+                    h for e in seen[kinds.index("cleared") :] for h in e.block_hashes
+                }:
+                    break
+    finally:
+        await consumer.stop()
+    seqs = [e.seq for e in seen]
+    assert seqs == list(range(1, len(seqs) + 1)) and {e.epoch for e in seen} == {worker._started_ms}

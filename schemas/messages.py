@@ -234,6 +234,10 @@ class Assignment:
     scheduler_id: str = ""
     decision_seq: int = 0
     inputs: DecisionInputs | None = None  # the scheduler's input positions (None: not recorded)
+    #: The instance of the worker it was decided for (its LoadReport's started_ms; 0: unknown). A
+    #: restarted worker skips what was decided for its previous instance; the scheduler decides those
+    #: again, so each request runs once.
+    worker_epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,7 +228,7 @@ def duplicates(stack: DevStack) -> tuple[list[tuple[str, list[str]]], int]:
                 for r in recs:
                     m = r.message
                     if isinstance(m, Completion) and m.finish_reason in ("stop", "length"):
-                        finals.setdefault(m.request_id, []).append(m.worker_id)
+                        finals.setdefault(m.request_id, []).append(f"{m.worker_id}@{r.envelope.event_ms}")
         finally:
             await c.stop()
         dup = [(rid, ws) for rid, ws in finals.items() if len(ws) > 1]
@@ -366,6 +366,11 @@ def _run(args: argparse.Namespace) -> int:
         "faults": [asdict(f) for f in faults],
         "ttft_without_faults": summarize(ref),
         "ttft_with_faults": summarize(chaos),
+        "reference_not_completed": [
+            {"user": o.user, "turn": o.turn, "kind": o.kind, "detail": o.detail[:200]}
+            for o in ref.outcomes
+            if o.kind != "completed"
+        ][:20],
         "not_completed": [
             {"user": o.user, "turn": o.turn, "kind": o.kind, "detail": o.detail[:200]}
             for o in outs

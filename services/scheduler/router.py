@@ -119,6 +119,7 @@ class Router:
         return Assignment(
             request=req,
             worker_id=best.worker_id,
+            worker_epoch=self.view.workers[best.worker_id].report.started_ms,
             reuse_blocks=best.cached_blocks,
             prefill_tokens=len(req.token_ids) - reused_tokens,
             estimate=Estimate(

@@ -339,27 +339,29 @@ class SchedulerService:
             self._advance(msg.report_ms)
             if before is not None and msg.started_ms > before:
                 # The worker restarted: what its previous instance held in flight is gone with it, and
-                # the new instance skips every assignment decided before it started (by decision
-                # time, the same figure on both sides), so each of those is decided again here, once.
-                self._redispatch_from(msg.worker_id, decided_before_ms=msg.started_ms)
+                # the new instance skips every assignment decided for another instance
+                # (Assignment.worker_epoch), so each of those is decided again here, once.
+                self._redispatch_from(msg.worker_id, keep_epoch=msg.started_ms)
         elif isinstance(msg, WorkerLost):
             if self._seen_in_snapshot.get(msg.worker_id, -1) > msg.declared_ms:
                 return  # the snapshot already holds what the worker stored after coming back
             self.view.apply_worker_lost(msg)
             self._advance(msg.declared_ms)
-            self._redispatch_from(msg.worker_id)
+            # A worker that reported after it was declared lost is back: what was decided for that
+            # instance runs there; only the rest is decided again.
+            back = self.view.workers.get(msg.worker_id)
+            self._redispatch_from(msg.worker_id, keep_epoch=back.report.started_ms if back else None)
         elif isinstance(msg, Completion):
             self.view.note_completion(msg)
             self._assigned.pop(msg.request_id, None)
 
-    def _redispatch_from(self, worker_id: str, decided_before_ms: int | None = None) -> None:
-        """Queue again every request assigned to a lost (or restarted) worker that never completed;
-        after a restart only those decided before the new instance started."""
+    def _redispatch_from(self, worker_id: str, keep_epoch: int | None = None) -> None:
+        """Queue again every request assigned to a lost (or restarted) worker that never completed,
+        except those decided for its instance ``keep_epoch`` (alive: it runs them)."""
         orphans = [
             a
             for a in self._assigned.values()
-            if a.worker_id == worker_id
-            and (decided_before_ms is None or (a.inputs is not None and a.inputs.now_ms < decided_before_ms))
+            if a.worker_id == worker_id and (keep_epoch is None or a.worker_epoch != keep_epoch)
         ]
         for a in orphans:
             del self._assigned[a.request.request_id]

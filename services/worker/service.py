@@ -284,12 +284,12 @@ class WorkerService:
             if msg.worker_id != self.worker_id:
                 return
             rid = msg.request.request_id
-            if msg.inputs is not None and msg.inputs.now_ms < self._started_ms:
+            if msg.worker_epoch and msg.worker_epoch != self._started_ms:
                 # Decided for this worker's previous instance (before a restart): the scheduler decides
-                # it again when it sees this instance's first LoadReport; running it here too would
-                # run it twice.
+                # it again (it sees the new instance, or the old one declared lost); running it here
+                # too would run it twice.
                 self.metrics["stale_assignments"] += 1
-                log.info("request %s was decided before this worker started; skipping it", rid)
+                log.info("request %s was decided for a previous instance of this worker; skipping it", rid)
                 return
             if rid in self._admitted:
                 self.metrics["duplicate_assignments"] += 1

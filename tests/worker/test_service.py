@@ -224,25 +224,21 @@ async def test_an_assignment_decided_twice_runs_once(fleet: Fleet) -> None:
     assert fleet.completions["twice"] == first
 
 
-async def test_an_assignment_decided_before_the_worker_started_is_skipped(fleet: Fleet) -> None:
+async def test_an_assignment_decided_for_a_previous_instance_is_skipped(fleet: Fleet) -> None:
     """After a restart the scheduler decides the old instance's requests again; the new instance
-    must not also run what was decided for the old one (by the decision's own time)."""
+    must not also run what was decided for the old one (Assignment.worker_epoch)."""
     import dataclasses
-
-    from schemas.messages import DecisionInputs
 
     worker = fleet.workers["worker-a"]
     old = dataclasses.replace(
-        _assign(_request("stale", _turn1()), "worker-a"),
-        inputs=DecisionInputs(worker._started_ms - 1, {}, {}, False, 1),
+        _assign(_request("stale", _turn1()), "worker-a"), worker_epoch=worker._started_ms - 1
     )
     await fleet.producer.send(topics.ASSIGNMENTS, old)
     async with asyncio.timeout(20):
         while worker.metrics["stale_assignments"] < 1:
             await asyncio.sleep(0.05)
     fresh = dataclasses.replace(
-        _assign(_request("fresh", _turn1()), "worker-a"),
-        inputs=DecisionInputs(worker._started_ms + 1, {}, {}, False, 2),
+        _assign(_request("fresh", _turn1()), "worker-a"), worker_epoch=worker._started_ms
     )
     c = await fleet.run(fresh)
     assert c.finish_reason in ("stop", "length") and "stale" not in fleet.completions

@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--down-s", type=float, default=3.0, help="how long a killed component stays down")
     ap.add_argument("--every-s", type=float, default=6.0, help="time between two kills")
     ap.add_argument("--plot", default=None, help="write the timeline PNG here")
+    ap.add_argument("--log", default=None, help="write every service's log lines here")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -327,8 +328,24 @@ def _run(args: argparse.Namespace) -> int:
         extra_env={"KVMESH_INTAKE_REQUEST_TIMEOUT_S": str(DEADLINE_S)},
     )
     plan = fault_plan(args.durable, args.seed)
+    log_file = open(args.log, "w") if args.log else None  # noqa: SIM115 - closed below
+
+    def sink(line: str) -> None:
+        if log_file is not None:
+            log_file.write(f"{time.time() * 1000:.0f} {line}\n")
+
+    try:
+        return _run_stack(args, settings, plan, sink)
+    finally:
+        if log_file is not None:
+            log_file.close()
+
+
+def _run_stack(
+    args: argparse.Namespace, settings: DevStackSettings, plan: list[str], sink: Callable[[str], None]
+) -> int:
     total = args.users * args.turns
-    with DevStack(settings, sink=lambda _line: None) as stack:
+    with DevStack(settings, sink=sink) as stack:
         t0 = time.monotonic()
         with tqdm(total=total, desc="reference", unit="req", file=sys.stderr) as bar:
             ref = asyncio.run(
@@ -338,6 +355,7 @@ def _run(args: argparse.Namespace) -> int:
 
         async def chaos_phase() -> tuple[Phase, list[Fault]]:
             t1 = time.monotonic()
+            sink(f"[bench] chaos phase starts at wall {time.time() * 1000:.0f}")
             stop = asyncio.Event()
             faults = asyncio.create_task(run_faults(stack, plan, args.down_s, args.every_s, t1, stop))
             with tqdm(total=total, desc="chaos", unit="req", file=sys.stderr) as bar:

@@ -345,12 +345,16 @@ class SchedulerService:
         elif isinstance(msg, WorkerLost):
             if self._seen_in_snapshot.get(msg.worker_id, -1) > msg.declared_ms:
                 return  # the snapshot already holds what the worker stored after coming back
+            known = self.view.workers.get(msg.worker_id)
+            # Heard from after the last report the KV manager had (a manager that restarted, or read
+            # late): that instance is alive and runs what was decided for it.
+            alive = known.report.started_ms if known and known.report_ms > msg.last_seen_ms else None
             self.view.apply_worker_lost(msg)
             self._advance(msg.declared_ms)
-            # A worker that reported after it was declared lost is back: what was decided for that
-            # instance runs there; only the rest is decided again.
+            # A worker that reported after it was declared lost is back: likewise.
             back = self.view.workers.get(msg.worker_id)
-            self._redispatch_from(msg.worker_id, keep_epoch=back.report.started_ms if back else None)
+            keep = alive if alive is not None else (back.report.started_ms if back else None)
+            self._redispatch_from(msg.worker_id, keep_epoch=keep)
         elif isinstance(msg, Completion):
             self.view.note_completion(msg)
             self._assigned.pop(msg.request_id, None)

@@ -171,6 +171,12 @@ async def test_a_restarted_worker_gets_its_old_in_flight_requests_decided_again_
                 await wait_for(lambda: service.view._lost.get("w-0") == t0 + 150)
                 await asyncio.sleep(1.0)
                 assert service.stats.redispatched == 2
+                # a KV manager that lags (last saw w-0 before the scheduler did) declares it lost late:
+                # the scheduler heard from that instance since, so it re-decides nothing
+                await prod.send(CONTROL, WorkerLost("w-0", t0 + 250, t0 + 10_000))
+                await wait_for(lambda: service.view._lost.get("w-0") == t0 + 10_000)
+                await asyncio.sleep(0.5)
+                assert service.stats.redispatched == 2
         finally:
             await out.stop()
 

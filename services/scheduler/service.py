@@ -113,6 +113,7 @@ class SchedulerService:
         self._reports = ReportCheck(
             settings.fleet_secret.get_secret_value().encode() if settings.fleet_secret else None
         )
+        self._silent: dict[str, int] = {}  # worker -> report_ms of the silence already acted on
         self._held = HeldPositions()
         self._marks = DecidedMarks(None)
         self._own_marks_client = False
@@ -290,6 +291,7 @@ class SchedulerService:
                     records = records or late
                 if not records and not requests and len(self.dispatcher):
                     self.now_ms = max(self.now_ms, wall_ms())
+                self._check_silent()
                 decisions = self.dispatcher.drain(self.now_ms)
                 await self._publish(decisions)
                 if requests or decisions:
@@ -299,6 +301,21 @@ class SchedulerService:
             except Exception:
                 log.exception("scheduler loop iteration failed; continuing")
                 await asyncio.sleep(0.2)
+
+    def _check_silent(self) -> None:
+        """Re-decide the in-flight requests of a worker silent past ``worker_timeout_ms`` (event
+        time), from this replica's own view: it does not wait for the KV manager's WorkerLost, which
+        may be down too. Once per silence (a report from the worker starts a new one)."""
+        timeout = self.view.settings.worker_timeout_ms
+        for worker in {a.worker_id for a in self._assigned.values()}:
+            ws = self.view.workers.get(worker)
+            if ws is None or self.now_ms - ws.report_ms <= timeout:
+                continue
+            if self._silent.get(worker) == ws.report_ms:
+                continue
+            self._silent[worker] = ws.report_ms
+            log.warning("worker %s silent for %d ms", worker, self.now_ms - ws.report_ms)
+            self._redispatch_from(worker)
 
     async def _ask_resync(self) -> None:
         """Workers whose KV events had a gap in our view: ask each to resync (ResyncRequest)."""

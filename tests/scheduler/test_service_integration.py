@@ -308,3 +308,30 @@ async def test_a_gap_in_a_workers_kv_events_asks_it_to_resync(kafka_settings: Ka
             await wait_for(lambda: len(service.view.index) == 3)
     finally:
         await ctl.stop()
+
+
+async def test_a_silent_worker_s_requests_are_re_decided_without_a_worker_lost(
+    kafka_settings: KafkaSettings,
+) -> None:
+    """The KV manager is down (no WorkerLost comes): the scheduler sees w-0 silent past its timeout in
+    its own view and decides w-0's in-flight request again, on w-1."""
+    t0 = now_ms()
+    service = SchedulerService(settings(kafka_settings, worker_timeout_ms=1000))
+    out = TypedConsumer(kafka_settings, [ASSIGNMENTS], None, from_beginning=True)
+    await out.start()
+    try:
+        async with TypedProducer(kafka_settings, "fake-workers") as prod, service:
+            await prod.send(LOAD, load("w-0", t0))
+            await wait_for(lambda: "w-0" in service.view.workers)
+            await prod.send(REQUESTS, request("r1", prompt(40), arrival_ms=t0 + 5, deadline_ms=t0 + 60_000))
+            first = await collect(out, lambda g: any(isinstance(m, Assignment) for m in g))
+            assert [m.worker_id for m in first if isinstance(m, Assignment)] == ["w-0"]
+            for dt in (500, 1500, 2500):  # w-1 reports, w-0 stays silent
+                await prod.send(LOAD, load("w-1", t0 + dt))
+            again = await collect(out, lambda g: any(isinstance(m, Assignment) for m in g))
+            assert [(m.request.request_id, m.worker_id) for m in again if isinstance(m, Assignment)] == [
+                ("r1", "w-1")
+            ]
+            assert service.stats.redispatched == 1
+    finally:
+        await out.stop()

@@ -244,6 +244,20 @@ async def test_an_assignment_decided_for_a_previous_instance_is_skipped(fleet: F
     assert c.finish_reason in ("stop", "length") and "stale" not in fleet.completions
 
 
+async def _until_resynced(consumer: TypedConsumer, worker: str, held: set[int]) -> list[KvEvent]:
+    """The worker's KV events until a ``cleared`` followed by every block of ``held``."""
+    seen: list[KvEvent] = []
+    async with asyncio.timeout(20):
+        while True:
+            recs = await consumer.getmany(timeout_ms=200)
+            seen += [r.message for r in recs if r.message.worker_id == worker]
+            kinds = [e.kind for e in seen]
+            if "cleared" in kinds and held <= {
+                h for e in seen[kinds.index("cleared") :] for h in e.block_hashes
+            }:
+                return seen
+
+
 async def test_kv_events_lost_to_a_broker_outage_are_repaired_by_a_resync(fleet: Fleet) -> None:
     """A KV event the broker never took leaves a gap in the fleet's view of the worker; the worker
     then publishes ``cleared`` and a snapshot of everything it holds, replacing that view whole."""
@@ -266,19 +280,7 @@ async def test_kv_events_lost_to_a_broker_outage_are_repaired_by_a_resync(fleet:
     consumer = TypedConsumer(fleet.kafka, [topics.KV_EVENTS], group_id=None, from_beginning=True)
     await consumer.start()
     try:
-        seen: list[KvEvent] = []
-        async with asyncio.timeout(20):
-            while True:
-                seen += [
-                    r.message
-                    for r in await consumer.getmany(timeout_ms=200)
-                    if r.message.worker_id == "worker-a"
-                ]
-                kinds = [e.kind for e in seen]
-                if "cleared" in kinds and held <= {
-                    h for e in seen[kinds.index("cleared") :] for h in e.block_hashes
-                }:
-                    break
+        await _until_resynced(consumer, "worker-a", held)
     finally:
         await consumer.stop()
     assert failed and c.finish_reason in ("stop", "length")
@@ -297,16 +299,7 @@ async def test_a_resync_request_replaces_the_fleets_view_with_numbered_events(fl
     await consumer.start()
     try:
         await fleet.producer.send(topics.CONTROL, ResyncRequest("worker-a", "test"))
-        seen: list[KvEvent] = []
-        async with asyncio.timeout(20):
-            while True:
-                recs = await consumer.getmany(timeout_ms=200)
-                seen += [r.message for r in recs if r.message.worker_id == "worker-a"]
-                kinds = [e.kind for e in seen]
-                if "cleared" in kinds and held <= {
-                    h for e in seen[kinds.index("cleared") :] for h in e.block_hashes
-                }:
-                    break
+        seen = await _until_resynced(consumer, "worker-a", held)
     finally:
         await consumer.stop()
     seqs = [e.seq for e in seen]

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+from typing import Protocol
 
 import msgspec
 
@@ -44,6 +45,12 @@ def verify(report: LoadReport, secret: bytes) -> bool:
     )
 
 
+class _Secret(Protocol):
+    """A settings secret (pydantic's SecretStr)."""
+
+    def get_secret_value(self) -> str: ...
+
+
 class ReportCheck:
     """Which LoadReports to take: all without a secret, else only those that verify. Counts the rest
     and logs once per worker id."""
@@ -52,6 +59,11 @@ class ReportCheck:
         self.secret = secret or None
         self.refused = 0
         self._warned: set[str] = set()
+
+    @classmethod
+    def from_setting(cls, secret: _Secret | None) -> ReportCheck:
+        """The check of a service's ``fleet_secret`` setting (None or empty: dev mode)."""
+        return cls(secret.get_secret_value().encode() if secret is not None else None)
 
     def accept(self, report: LoadReport) -> bool:
         if self.secret is None or verify(report, self.secret):

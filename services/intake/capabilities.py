@@ -87,10 +87,10 @@ class FeatureBoard:
 class FeatureFeed:
     """Reads the load and heartbeats topics (from their end: both repeat) into a :class:`FeatureBoard`."""
 
-    def __init__(self, kafka: KafkaSettings, board: FeatureBoard, secret: bytes | None = None) -> None:
+    def __init__(self, kafka: KafkaSettings, board: FeatureBoard, reports: ReportCheck | None = None) -> None:
         self.kafka = kafka
         self.board = board
-        self.reports = ReportCheck(secret)
+        self.reports = reports or ReportCheck(None)
         self._consumer: TypedConsumer | None = None
         self._task: asyncio.Task[None] | None = None
 

@@ -18,6 +18,7 @@ from types import TracebackType
 from kvmesh.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
 from schemas.errors import RecordTooLarge, SchemaError
 from schemas.messages import BASE_FEATURES, ChatRequest, SamplingParams, StructuredOutput
+from schemas.report_signing import ReportCheck
 from services.intake.auth import ApiKeyTable
 from services.intake.capabilities import FeatureBoard, FeatureFeed
 from services.intake.config import IntakeSettings
@@ -70,9 +71,8 @@ class IntakeService:
         )
         self.in_flight = 0
         self.features = FeatureBoard(live_s=settings.worker_live_s, block_size=settings.block_size)
-        secret = settings.fleet_secret
         self._feed = FeatureFeed(
-            settings.kafka, self.features, secret.get_secret_value().encode() if secret else None
+            settings.kafka, self.features, ReportCheck.from_setting(settings.fleet_secret)
         )
 
     def readiness(self) -> tuple[bool, dict[str, object]]:

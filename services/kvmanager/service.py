@@ -93,9 +93,8 @@ class KvManagerService:
         self.producer: TypedProducer | None = None
         self._task: asyncio.Task[None] | None = None
         self._heartbeat: Heartbeat | None = None
-        secret = settings.fleet_secret
         self._kv_sequence = KvSequence()
-        self._reports = ReportCheck(secret.get_secret_value().encode() if secret else None)
+        self._reports = ReportCheck.from_setting(settings.fleet_secret)
         self._redis_ok = True
         self._next_redis_try = 0
         self._next_verify = 0

@@ -108,12 +108,10 @@ class SchedulerService:
         # vanishes mid-request loses no request (bounded: oldest dropped past max_tracked_inflight).
         self._assigned: dict[str, Assignment] = {}
         self._heartbeat: Heartbeat | None = None
+        self._reports = ReportCheck.from_setting(settings.fleet_secret)
+        self._silent: dict[str, int] = {}  # worker -> report_ms of the silence already acted on
         # Held requests survive a crash (held_requests.py): positions of undecided requests cap the
         # commit; while any is held, decisions are marked in Redis so a successor skips them.
-        self._reports = ReportCheck(
-            settings.fleet_secret.get_secret_value().encode() if settings.fleet_secret else None
-        )
-        self._silent: dict[str, int] = {}  # worker -> report_ms of the silence already acted on
         self._held = HeldPositions()
         self._marks = DecidedMarks(None)
         self._own_marks_client = False
@@ -306,12 +304,10 @@ class SchedulerService:
         """Re-decide the in-flight requests of a worker silent past ``worker_timeout_ms`` (event
         time), from this replica's own view: it does not wait for the KV manager's WorkerLost, which
         may be down too. Once per silence (a report from the worker starts a new one)."""
+        # over the workers, not the in-flight requests: this runs on every loop iteration
         timeout = self.view.settings.worker_timeout_ms
-        for worker in {a.worker_id for a in self._assigned.values()}:
-            ws = self.view.workers.get(worker)
-            if ws is None or self.now_ms - ws.report_ms <= timeout:
-                continue
-            if self._silent.get(worker) == ws.report_ms:
+        for worker, ws in self.view.workers.items():
+            if self.now_ms - ws.report_ms <= timeout or self._silent.get(worker) == ws.report_ms:
                 continue
             self._silent[worker] = ws.report_ms
             log.warning("worker %s silent for %d ms", worker, self.now_ms - ws.report_ms)

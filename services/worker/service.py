@@ -528,15 +528,19 @@ class WorkerService:
             topics.KV_EVENTS, dataclasses.replace(ev, seq=self._kv_seq, epoch=self._started_ms)
         )
 
+    def _holdings_chunk(self) -> int:
+        """Blocks per snapshot event: a stored record is ~18 bytes per block; stay well inside the
+        record size limit."""
+        return max(64, min(4096, self.settings.kafka.max_record_bytes // 64))
+
     async def _resync_locked(self) -> None:
         """Publish ``cleared`` then everything held (caller holds ``_kv_publish``): what the fleet
         knew of this worker is replaced, so events lost in a gap leave nothing wrong behind."""
         assert self._producer is not None
         self.engine.drain_kv_events()  # superseded by the snapshot below
-        chunk = max(64, min(4096, self.settings.kafka.max_record_bytes // 64))
         cleared = KvEvent(self.worker_id, "cleared", "gpu", [], event_ms=now_ms())
         await self._send_kv(cleared)
-        for ev in self.engine.holdings_events(chunk):
+        for ev in self.engine.holdings_events(self._holdings_chunk()):
             await self._send_kv(ev)
         self._kv_resync = False
         log.info("worker %s resynced its KV holdings with the fleet", self.worker_id)
@@ -545,12 +549,9 @@ class WorkerService:
         """Publish everything still held as stored events (the KV manager dropped our blocks)."""
         if self._producer is None:
             return
-        holdings = self.engine.holdings_events
-        # A stored record is ~18 bytes per block; stay well inside the record size limit.
-        chunk = max(64, min(4096, self.settings.kafka.max_record_bytes // 64))
         async with self._kv_publish:
             # Pending events first, then the snapshot; later changes follow in later drains.
-            events = self.engine.drain_kv_events() + holdings(chunk)
+            events = self.engine.drain_kv_events() + self.engine.holdings_events(self._holdings_chunk())
             for ev in events:
                 await self._send_kv(ev)
         n = sum(len(ev.block_hashes) for ev in events if ev.kind == "stored")

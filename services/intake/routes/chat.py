@@ -18,7 +18,7 @@ from services.intake.openai_format import (
 )
 from services.intake.openai_models import ChatCompletionRequest
 from services.intake.routes.deps import ServiceDep
-from services.intake.routes.fleet_run import created_now, prepare, run, session_header
+from services.intake.routes.fleet_run import created_now, serve
 from services.intake.sampling_fields import Prepared
 
 router = APIRouter()
@@ -122,12 +122,10 @@ class ChatRenderer:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(request: Request, service: ServiceDep) -> Response:
-    tenant = service.keys.tenant_for(request.headers.get("authorization"))
-    header_hint = session_header(request)
-    body, prepared = await prepare(
+    return await serve(
         request,
         service,
         ChatCompletionRequest,
-        lambda b: service.prepare_chat(b, tenant=tenant, session_hint=header_hint or b.user),
+        lambda b, tenant, hint: service.prepare_chat(b, tenant=tenant, session_hint=hint),
+        lambda b, prepared: ChatRenderer(b, prepared, service.tokenizer),
     )
-    return await run(service, prepared, bool(body.stream), ChatRenderer(body, prepared, service.tokenizer))

@@ -22,7 +22,7 @@ from services.intake.openai_format import (
 )
 from services.intake.openai_models import CompletionRequest
 from services.intake.routes.deps import ServiceDep
-from services.intake.routes.fleet_run import created_now, prepare, run, session_header
+from services.intake.routes.fleet_run import created_now, serve
 from services.intake.sampling_fields import Prepared
 
 router = APIRouter()
@@ -97,12 +97,10 @@ class LegacyRenderer:
 
 @router.post("/v1/completions", response_model=None)
 async def completions(request: Request, service: ServiceDep) -> Response:
-    tenant = service.keys.tenant_for(request.headers.get("authorization"))
-    header_hint = session_header(request)
-    body, prepared = await prepare(
+    return await serve(
         request,
         service,
         CompletionRequest,
-        lambda b: service.prepare_completion(b, tenant=tenant, session_hint=header_hint or b.user),
+        lambda b, tenant, hint: service.prepare_completion(b, tenant=tenant, session_hint=hint),
+        lambda b, prepared: LegacyRenderer(b, prepared, service.tokenizer),
     )
-    return await run(service, prepared, bool(body.stream), LegacyRenderer(body, prepared, service.tokenizer))

@@ -22,32 +22,41 @@ from typing import Any, Protocol, TypeVar
 import anyio
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
 
 from services.intake.errors import IntakeError, InvalidRequest
 from services.intake.generation import ChoiceResult, Delta, Job
-from services.intake.openai_models import MAX_SESSION_HINT
+from services.intake.openai_models import MAX_SESSION_HINT, SamplingFields
 from services.intake.request_body import decode, off_loop, read_body
 from services.intake.sampling_fields import Prepared
 from services.intake.service import IntakeService
 
-M = TypeVar("M", bound=BaseModel)
+B = TypeVar("B", bound=SamplingFields)
 
 
-async def prepare(
-    request: Request, service: IntakeService, model: type[M], build: Callable[[M], Prepared]
-) -> tuple[M, Prepared]:
-    """Read, decode and prepare (tokenize) the body: off the event loop when it is large."""
+async def serve(
+    request: Request,
+    service: IntakeService,
+    model: type[B],
+    build: Callable[[B, str, str | None], Prepared],
+    renderer: Callable[[B, Prepared], Renderer],
+) -> Response:
+    """One completions request, chat or legacy: auth (the tenant from the key) before anything, then
+    read, decode and prepare (tokenize) the body, off the event loop when it is large, then run it.
+    ``build(body, tenant, session hint)`` prepares it; ``renderer`` turns its outputs into bodies."""
+    tenant = service.keys.tenant_for(request.headers.get("authorization"))
+    header_hint = _session_header(request)
     raw = await read_body(request, service.settings.max_body_bytes)
 
-    def work() -> tuple[M, Prepared]:
+    def work() -> tuple[B, Prepared]:
         body = decode(raw, model)
-        return body, build(body)
+        hint = header_hint or body.user
+        return body, build(body, tenant, hint)
 
-    return await off_loop(len(raw), work)
+    body, prepared = await off_loop(len(raw), work)
+    return await run(service, prepared, bool(body.stream), renderer(body, prepared))
 
 
-def session_header(request: Request) -> str | None:
+def _session_header(request: Request) -> str | None:
     """The ``X-Session-Id`` header (a session hint like ``user``), bounded as ``user`` is."""
     hint = request.headers.get("x-session-id")
     if hint is not None and len(hint) > MAX_SESSION_HINT:

@@ -37,10 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--durable",
         action="store_true",
-        help="keep the broker's topics in an object store (moto's S3 server) and Redis in an "
-        "append-only file, so either survives a crash and restart",
+        help="keep the broker's topics in an object store (a local S3 server on disk) and Redis in "
+        "an append-only file, so each survives a crash and restart",
     )
-    p.add_argument("--data-dir", default=None, help="with --durable: where Redis keeps its AOF")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="with --durable: where the object store and Redis keep their files (default: a temp dir)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     settings = DevStackSettings(

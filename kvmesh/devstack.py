@@ -70,11 +70,12 @@ class DevStackSettings:
     extra_env: dict[str, str] = field(default_factory=dict)
     log_level: str = "INFO"
     ready_timeout_s: float = 120.0
-    #: The broker keeps its topics and committed offsets in an object store (moto's S3 server, a
-    #: process of its own) and Redis keeps an append-only file, so either can be killed and restarted
-    #: without losing what it held.
+    #: The broker keeps its topics and committed offsets in an object store (streams.local_s3, a
+    #: process of its own, on disk) and Redis keeps an append-only file, so any of the three can be
+    #: killed and restarted without losing what it held.
     durable: bool = False
-    #: Where durable Redis keeps its append-only file (None: a temporary directory).
+    #: Where durable mode keeps the object store's files and Redis's append-only file (None: a
+    #: temporary directory, removed at stop).
     data_dir: str | None = None
     #: Restart a service that dies, with exponential backoff (``kvmesh dev`` turns this on).
     supervise: bool = False
@@ -181,14 +182,14 @@ class DevStack:
         self._stopping.clear()
         try:
             if s.durable:
-                self.object_store = EmbeddedObjectStore()
+                if s.data_dir is None:
+                    self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-dev-")
+                data = Path(s.data_dir or (self._tmp.name if self._tmp else "."))
+                self.object_store = EmbeddedObjectStore(root=data / "s3")
                 self.object_store.start()
                 self.broker = EmbeddedBroker(
                     storage=self.object_store.storage, env=self.object_store.broker_env()
                 )
-                if s.data_dir is None:
-                    self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-dev-")
-                data = Path(s.data_dir or (self._tmp.name if self._tmp else "."))
                 self.redis = EmbeddedRedis(aof_dir=data / "redis")
             else:
                 self.broker = EmbeddedBroker()
@@ -315,6 +316,15 @@ class DevStack:
 
         self.broker.start()
         asyncio.run(ensure_topics(self.kafka))
+
+    def kill_object_store(self) -> None:
+        """SIGKILL the durable broker's object store; its objects stay on disk."""
+        assert self.object_store is not None
+        self.object_store.kill()
+
+    def restart_object_store(self) -> None:
+        assert self.object_store is not None
+        self.object_store.start()
 
     def kill_redis(self) -> None:
         assert self.redis is not None

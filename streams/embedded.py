@@ -18,6 +18,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -343,53 +344,51 @@ class EmbeddedRedis:
 
 
 class EmbeddedObjectStore:
-    """An S3-compatible object store (moto's server) on a free loopback port, for the broker's data.
+    """An S3-compatible object store (:mod:`streams.local_s3`) on a free loopback port, for the broker.
 
-    Why moto: it keeps the broker's topics in a process of its own, so killing and restarting the
-    broker loses nothing, and it honours S3's conditional writes, which tansu's object-store engine
-    relies on when several producers append to one partition. s3rver (npm), which writes to disk and
-    would also survive its own restart, does not: measured here, 4 producers appending 200 acknowledged
-    records to one partition, tansu killed and restarted, 70 came back on s3rver and 200 on moto.
-    moto holds the objects in memory (a restart of the object store itself loses them) and is a
-    Python process, so durable mode is for crash tests, not for load. In production the same broker
-    setting points at real S3, or the fleet runs on Apache Kafka.
+    Its objects live in ``root`` on disk, so the broker's topics and committed offsets survive a
+    SIGKILL of the broker and of the object store itself. Why not an existing local S3 server:
+    tansu's object-store engine relies on S3's conditional writes, which s3rver ignores (4 producers
+    appending 200 acknowledged records to one partition, tansu killed and restarted: 70 came back);
+    moto honours them but lists by scanning the whole bucket, and tansu lists a partition on every
+    fetch, so the stack stalled within a minute. In production the same broker setting points at
+    real S3, or the fleet runs on Apache Kafka.
     """
 
-    def __init__(self, bucket: str = "kvmesh-broker", ready_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, root: Path | None = None, bucket: str = "kvmesh-broker", ready_timeout_s: float = 30.0
+    ) -> None:
         self.bucket = bucket
         self.ready_timeout_s = ready_timeout_s
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.root = root
         self.port: int | None = None
         self.endpoint: str | None = None
         self._child = _ChildProcess("s3")
 
-    @staticmethod
-    def binary() -> str:
-        path = shutil.which("moto_server")
-        if path is None:
-            raise EmbeddedStartError('moto_server not found; pip install "moto[server]"')
-        return path
-
     def start(self) -> str:
-        """Start the server, create the bucket, return the endpoint URL."""
+        """Start the server (its bucket created), return the endpoint URL. A restart keeps the port."""
         if self.endpoint is not None:
             return self.endpoint
-        port = free_port()
-        self._child.spawn([self.binary(), "-H", _LOOPBACK, "-p", str(port)])
+        if self.root is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-s3-")
+            self.root = Path(self._tmp.name)
+        port = self.port or free_port()
+        argv = [sys.executable, "-m", "streams.local_s3", "--root", str(self.root), "--port", str(port)]
+        self._child.spawn([*argv, "--bucket", self.bucket])
         self._child.wait_ready(lambda: _http_answers(port), self.ready_timeout_s)
         self.port = port
         self.endpoint = f"http://{_LOOPBACK}:{port}"
-        import boto3  # moto's own dependency
-
-        creds = self.broker_env()
-        boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
-            region_name=creds["AWS_DEFAULT_REGION"],
-        ).create_bucket(Bucket=self.bucket)
-        log.info("embedded object store on %s (bucket %s)", self.endpoint, self.bucket)
+        log.info("embedded object store on %s (bucket %s, in %s)", self.endpoint, self.bucket, self.root)
         return self.endpoint
+
+    def kill(self) -> None:
+        """SIGKILL the store; ``start()`` brings it back on the same port with the same objects."""
+        self._child.kill()
+        self._child.stop()
+        self.endpoint = None
+        if self.port is not None:
+            _wait_port_free(self.port)
 
     @property
     def storage(self) -> str:
@@ -407,9 +406,13 @@ class EmbeddedObjectStore:
         }
 
     def stop(self) -> None:
-        """Terminate the server (its data goes with it). Safe to call twice."""
+        """Terminate the server; a temporary root goes with it. Safe to call twice."""
         self._child.stop()
         self.endpoint = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self.root = None
 
     def __enter__(self) -> EmbeddedObjectStore:
         self.start()

@@ -10,8 +10,8 @@ conversations run twice, greedy, through ``openai.AsyncOpenAI`` (streaming, with
 1. **reference**, no faults: the answer of every turn, and TTFT without faults;
 2. **chaos**, with new session ids: while it runs, each component in a seeded order is SIGKILLed,
    left down for ``--down-s`` and started again: a worker, the scheduler, the KV manager, Redis, and
-   with ``--durable`` the broker (whose topics live in the object store). There is one intake, so
-   intake is not killed.
+   with ``--durable`` the broker and, separately, its object store (whose files on disk outlive
+   it). There is one intake, so intake is not killed.
 
 Every chaos request is classified:
 
@@ -181,7 +181,7 @@ def fault_plan(durable: bool, seed: int) -> list[str]:
     rng = random.Random(seed)
     parts = [f"worker-{rng.randrange(2)}", "scheduler", "kvmanager", "redis"]
     if durable:
-        parts.append("broker")
+        parts += ["broker", "object_store"]
     rng.shuffle(parts)
     return parts
 
@@ -190,8 +190,16 @@ async def run_faults(
     stack: DevStack, plan: list[str], down_s: float, every_s: float, t0: float, stop: asyncio.Event
 ) -> list[Fault]:
     faults: list[Fault] = []
-    kill: dict[str, Callable[[], None]] = {"broker": stack.kill_broker, "redis": stack.kill_redis}
-    start: dict[str, Callable[[], None]] = {"broker": stack.restart_broker, "redis": stack.restart_redis}
+    kill: dict[str, Callable[[], None]] = {
+        "broker": stack.kill_broker,
+        "object_store": stack.kill_object_store,
+        "redis": stack.kill_redis,
+    }
+    start: dict[str, Callable[[], None]] = {
+        "broker": stack.restart_broker,
+        "object_store": stack.restart_object_store,
+        "redis": stack.restart_redis,
+    }
     await asyncio.sleep(every_s / 2)
     for part in plan:
         if stop.is_set():

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_fault_plan_is_seeded_and_covers_every_part() -> None:
     assert chaos.fault_plan(False, 3) == chaos.fault_plan(False, 3)
     plan = chaos.fault_plan(True, 3)
-    assert {"scheduler", "kvmanager", "redis", "broker"} <= set(plan) and len(plan) == 5
-    assert not {"broker"} & set(chaos.fault_plan(False, 3))
+    assert {"scheduler", "kvmanager", "redis", "broker", "object_store"} <= set(plan) and len(plan) == 6
+    assert not {"broker", "object_store"} & set(chaos.fault_plan(False, 3))
 
 
 def test_a_small_chaos_run_loses_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,5 @@
-"""``kvmesh dev --durable``: the broker (tansu on moto's S3 server) and Redis (AOF) are SIGKILLed and
-restarted under a running fleet, and nothing is lost.
+"""``kvmesh dev --durable``: the broker (tansu), its object store (streams.local_s3, on disk) and Redis
+(AOF) are SIGKILLed and restarted under a running fleet, and nothing is lost.
 
 Before the broker dies a conversation builds KV blocks; while it is down intake answers fast JSON
 503s (the SDK retries them); after it is back every topic, record and committed offset is still
@@ -11,7 +11,6 @@ supervision is restarted by the stack.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,23 +23,13 @@ from schemas.messages import ChatRequest, Completion
 from services.kvmanager.directory_cli import collect
 from streams import topics
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.slow,
-    # moto's S3 listing scans the whole bucket on every tansu fetch, so the durable stack slows and
-    # can stall within a minute: this test fails in about 3 of 4 runs on a 2-core machine (issue 23).
-    # Opt in with KVMESH_TEST_DURABLE=1 until the object store keeps up.
-    pytest.mark.skipif(
-        os.environ.get("KVMESH_TEST_DURABLE") != "1", reason="durable mode stalls on moto (issue 23)"
-    ),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODEL = "kvmesh-tiny"
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[DevStack]:
-    pytest.importorskip("moto")
     logs: list[str] = []
     settings = DevStackSettings(
         workers=1, intake_port=0, gpu_blocks=256, dram_blocks=256, durable=True, supervise=True
@@ -83,13 +72,16 @@ def test_broker_and_redis_crash_and_restart_lose_nothing(stack: DevStack) -> Non
     assert before["total_blocks"] > 0
     sent_before = [m for m in read_topic(stack.kafka, topics.REQUESTS, 1.0) if isinstance(m, ChatRequest)]
 
+    # The broker and its object store both die: the objects are on disk, so neither loses a record.
     stack.kill_broker()
+    stack.kill_object_store()
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as down:
         openai.OpenAI(
             base_url=f"{stack.intake_url}/v1", api_key="x", max_retries=0, timeout=30
         ).chat.completions.create(model=MODEL, messages=history, max_tokens=4)  # type: ignore[arg-type]
     assert down.value.status_code == 503 and time.monotonic() - t0 < 15
+    stack.restart_object_store()
     stack.restart_broker()
 
     # the records written before the crash are all still there

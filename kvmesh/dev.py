@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="with --durable: where the object store and Redis keep their files (default: a temp dir)",
     )
+    p.add_argument(
+        "--status-file",
+        default=None,
+        help="once the stack is ready, write each process's metrics URL, pid and readiness here (JSON)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     settings = DevStackSettings(
@@ -67,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with DevStack(settings) as stack:
+        if args.status_file:
+            stack.write_status(args.status_file)
         sys.stderr.write(
             f"\nkvmesh dev is ready: intake {stack.intake_url}  broker {stack.kafka.bootstrap_servers}  "
             f"redis {stack.redis_settings.url}  workers {', '.join(stack.worker_ids)}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -79,6 +80,8 @@ class DevStackSettings:
     data_dir: str | None = None
     #: Restart a service that dies, with exponential backoff (``kvmesh dev`` turns this on).
     supervise: bool = False
+    #: Serve ``/metrics`` from every service on a free loopback port (``status()`` lists them).
+    metrics: bool = True
 
 
 class _Child:
@@ -156,6 +159,7 @@ class DevStack:
         self.redis_settings = RedisSettings()
         self.children: dict[str, _Child] = {}
         self.intake_url = ""
+        self.metrics_urls: dict[str, str] = {}
         self.fleet_secret = secrets.token_hex(16)
         self._env: dict[str, str] = {}
         self._started = False
@@ -226,10 +230,17 @@ class DevStack:
                 env["KVMESH_API_KEYS"] = s.api_keys
             env.update(s.extra_env)
             self._env = env
-            self._spawn("kvmanager", ["-m", "services.kvmanager"])
-            self._spawn("scheduler", ["-m", "services.scheduler"])
+            self.metrics_urls = {"intake": f"{self.intake_url}/metrics"}
+            self._spawn(
+                "kvmanager", ["-m", "services.kvmanager"], self._metrics_env("kvmanager", "KVMANAGER")
+            )
+            self._spawn(
+                "scheduler", ["-m", "services.scheduler"], self._metrics_env("scheduler", "SCHEDULER")
+            )
             for wid in self.worker_ids:
-                self._spawn(wid, ["-m", "services.worker", "--worker-id", wid])
+                self._spawn(
+                    wid, ["-m", "services.worker", "--worker-id", wid], self._metrics_env(wid, "WORKER")
+                )
             self._spawn("intake", ["-m", "services.intake"])
             self._wait_ready()
             if s.supervise:
@@ -268,6 +279,41 @@ class DevStack:
             if ctx:
                 env["KVMESH_INTAKE_MAX_CONTEXT"] = str(ctx)
         return env
+
+    def _metrics_env(self, name: str, prefix: str) -> dict[str, str] | None:
+        """The environment of one service with its own metrics port (kept across restarts)."""
+        if not self.settings.metrics:
+            return None
+        port = _free_port()
+        self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+        return {
+            **self._env,
+            f"KVMESH_{prefix}_METRICS_HOST": "127.0.0.1",
+            f"KVMESH_{prefix}_METRICS_PORT": str(port),
+        }
+
+    def status(self) -> dict[str, Any]:
+        """``{"services": {name: {"metrics_url", "pid", "ready"}}}``, one entry per process. Ready: the
+        process runs and answers (intake: ``/readyz``; the others: their ``/metrics``)."""
+        out: dict[str, Any] = {}
+        for name, child in sorted(self.children.items()):
+            url = self.metrics_urls.get(name)
+            probe = f"{self.intake_url}/readyz" if name == "intake" else url
+            ready = False
+            if child.alive() and probe:
+                with contextlib.suppress(httpx.HTTPError):
+                    ready = httpx.get(probe, timeout=2.0).status_code == 200
+            out[name] = {"metrics_url": url, "pid": child.proc.pid, "ready": ready}
+        return {"services": out}
+
+    def write_status(self, path: str | Path) -> dict[str, Any]:
+        """Write :meth:`status` as JSON (atomically: a reader never sees half a file)."""
+        status = self.status()
+        target = Path(path)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(status, indent=2) + "\n")
+        os.replace(tmp, target)
+        return status
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, *args]

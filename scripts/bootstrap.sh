@@ -4,10 +4,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "bootstrap: installing redis-server" >&2
+# redis-server backs the embedded stack; prometheus (only the binary is used) runs the real-Prometheus
+# integration tests on loopback. Each is installed only when it is not already on PATH.
+APT_PKGS=""
+command -v redis-server >/dev/null 2>&1 || APT_PKGS="$APT_PKGS redis-server"
+command -v prometheus >/dev/null 2>&1 || APT_PKGS="$APT_PKGS prometheus"
+if [ -n "$APT_PKGS" ]; then
+  echo "bootstrap: installing$APT_PKGS" >&2
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  # --no-install-recommends: prometheus recommends prometheus-node-exporter (another daemon, on :9100).
+  # shellcheck disable=SC2086
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends $APT_PKGS >/dev/null
+  case "$APT_PKGS" in
+    *prometheus*)
+      # The package ships a system service listening on 0.0.0.0:9090. Without systemd (a container)
+      # its postinst cannot start it (invoke-rc.d finds no runlevel, or policy-rc.d denies); under
+      # systemd it is started and enabled. Either way: stopped and off at boot, the tests run their own.
+      if [ -d /run/systemd/system ]; then
+        $SUDO systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+      else
+        $SUDO service prometheus stop >/dev/null 2>&1 || true
+        $SUDO update-rc.d prometheus disable >/dev/null 2>&1 || true
+      fi
+      ;;
+  esac
 fi
 
 # torch first and pinned: the CPU build of 2.13.0 (a bare `torch` could pull a multi-GB CUDA build).

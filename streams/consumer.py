@@ -25,8 +25,9 @@ import asyncio
 import contextlib
 import logging
 import warnings
+from collections import Counter as CounterType
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -77,7 +78,8 @@ _make_record = constructor(Record)
 
 @dataclass(slots=True)
 class ConsumerMetrics:
-    """Counters of one consumer since construction."""
+    """Counters of one consumer since construction: plain numbers the hot loop bumps, exported by
+    :class:`streams.consumer_metrics.ConsumerCollector` when Prometheus scrapes."""
 
     consumed: int = 0
     handled: int = 0
@@ -86,6 +88,11 @@ class ConsumerMetrics:
     dead_lettered: int = 0
     handler_errors: int = 0
     commits: int = 0
+    #: catalog topic -> records fetched / dead-lettered (counted per fetched batch, not per record)
+    records_by_topic: CounterType[str] = field(default_factory=CounterType)
+    dead_letters_by_topic: CounterType[str] = field(default_factory=CounterType)
+    #: (catalog topic, partition) -> records behind the high watermark after the last fetch
+    lag: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -320,6 +327,14 @@ class TypedConsumer:
         """One fetch, grouped by partition (as aiokafka returns it, in offset order per partition)."""
         consumer = self._require()
         batches = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records or self.max_batch)
+        m = self.metrics
+        for tp, raws in batches.items():
+            if raws:
+                topic = self._catalog_name(tp.topic)
+                m.records_by_topic[topic] += len(raws)
+                high = consumer.highwater(tp)
+                if high is not None:
+                    m.lag[(topic, tp.partition)] = max(high - raws[-1].offset - 1, 0)
         return list(batches.items())
 
     def _triage(self, tp: TopicPartition, topic: str, raw: ConsumerRecord) -> Record | SchemaError | None:
@@ -446,6 +461,7 @@ class TypedConsumer:
     async def _dead_letter(self, raw: ConsumerRecord, exc: BaseException, kind: str) -> None:
         self.metrics.dead_lettered += 1
         source = self._catalog_name(raw.topic)
+        self.metrics.dead_letters_by_topic[source] += 1
         log.warning("dead-lettering %s[%d]@%d (%s): %s", source, raw.partition, raw.offset, kind, exc)
         if self.dlq is None:
             return

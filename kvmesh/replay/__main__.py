@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             f" unreproducible={report.unreproducible} mode=exact view_lag_p99_ms={lag['p99_ms']:g}"
             f" needless_fetches={out_json['needless_fetches']}/{out_json['fetch_plans']}"
         )
+        q = out_json["prediction_quality"]
+        line += (
+            f" ttft_error_p50_ms={q['ttft_error_p50_ms']:.1f} hit_predicted={q['predicted_hit_tokens']}"
+            f" hit_achieved={q['achieved_hit_tokens']}/{q['prompt_tokens']}"
+        )
     else:
         out_json = report.to_json(args.only_divergent, args.top)
         line += " mode=approximate (the recording has no decision input positions)"

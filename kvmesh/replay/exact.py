@@ -40,6 +40,7 @@ from kvmesh.replay.report_check import env_report_check
 from schemas.codec import decode
 from schemas.errors import SchemaError
 from schemas.messages import Assignment, ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
+from services.scheduler.metrics import Outcome, compare, prediction_of
 from services.scheduler.router import CandidateScore, Decision, Router, RouterSettings
 from services.scheduler.view import FleetView, ViewSettings
 from streams.recording import RawRecord
@@ -104,6 +105,9 @@ class ExactDecision:
     fetch_planned: bool = False
     needless_fetch: bool = False
     completion: Completion | None = None
+    #: The recorded decision's prediction beside its Completion: the live scheduler's own comparison
+    #: (services.scheduler.metrics), None without a Completion.
+    quality: Outcome | None = None
 
     @property
     def diverged(self) -> bool:
@@ -130,6 +134,7 @@ class ExactDecision:
             "needless_fetch": self.needless_fetch,
             "positions": dict(sorted(self.positions.items())),
             "candidates": [dataclasses.asdict(x) for x in self.candidates[:top_k]],
+            "prediction_vs_outcome": None if self.quality is None else dataclasses.asdict(self.quality),
             "outcome_measured": None
             if c is None
             else {
@@ -186,7 +191,26 @@ class ExactReport:
             "view_lag": self.lag_summary(),
             "fetch_plans": sum(d.fetch_planned for d in self.decisions),
             "needless_fetches": sum(d.needless_fetch for d in self.decisions),
+            "prediction_quality": self.quality_summary(),
             "decisions": [d.to_json(top_k) for d in shown],
+        }
+
+    def quality_summary(self) -> dict[str, float]:
+        """The recorded predictions against their Completions: TTFT error (observed − predicted)
+        percentiles and the predicted and achieved hit tokens, as the live scheduler exports them."""
+        qs = [d.quality for d in self.decisions if d.quality is not None]
+        errors = sorted(q.observed_ttft_ms - q.predicted_ttft_ms for q in qs)
+
+        def pct(p: float) -> float:
+            return errors[min(int(p * len(errors)), len(errors) - 1)] if errors else 0.0
+
+        return {
+            "requests": len(qs),
+            "ttft_error_p50_ms": pct(0.5),
+            "ttft_error_p90_ms": pct(0.9),
+            "predicted_hit_tokens": sum(q.predicted_hit_tokens for q in qs),
+            "achieved_hit_tokens": sum(q.achieved_hit_tokens for q in qs),
+            "prompt_tokens": sum(q.prompt_tokens for q in qs),
         }
 
 
@@ -410,7 +434,14 @@ def _replay_one(
         fetch_planned=fetch_planned,
         needless_fetch=needless,
         completion=completions.get(a.request.request_id),
+        quality=_quality(a, completions.get(a.request.request_id)),
     )
+
+
+def _quality(a: Assignment, c: Completion | None) -> Outcome | None:
+    """What the scheduler's metrics compare live (kvmesh_scheduler_ttft_prediction_error_seconds and
+    the predicted/achieved hit tokens), for one recorded decision."""
+    return compare(prediction_of(a), c) if c is not None else None
 
 
 def _lag(

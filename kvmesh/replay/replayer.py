@@ -276,10 +276,18 @@ def format_decision(d: ReplayedDecision | ExactDecision, top_k: int = 3) -> str:
         for c in d.candidates[:top_k]
     )
     replayed = d.replayed_worker or d.outcome
-    return (
+    line = (
         f"{flag} {d.request_id:<24} now={d.now_ms:<14} recorded={d.recorded_worker or '-':<10} "
         f"replayed={replayed:<10} top: {top}"
     )
+    q = d.quality if isinstance(d, ExactDecision) else None
+    if q is not None:
+        # the recorded decision's prediction against what the request really got
+        line += (
+            f" | ttft predicted={q.predicted_ttft_ms:.1f} observed={q.observed_ttft_ms:.1f}"
+            f" hit predicted={q.predicted_hit_tokens} achieved={q.achieved_hit_tokens}/{q.prompt_tokens}"
+        )
+    return line
 
 
 def explain(d: ExactDecision | ReplayedDecision) -> str:

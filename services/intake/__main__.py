@@ -1,43 +1,35 @@
-"""``kvmesh intake`` / ``python -m services.intake``: wiring only."""
+"""``kvmesh intake`` / ``python -m services.intake``: wiring only.
+
+Flags are the settings' field names (``--host``, ``--port``, ``--kafka.bootstrap-servers``,
+``--log-level``, ...); ``--help`` lists them all. ``/metrics`` is served on the API's port.
+"""
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvmesh intake", description="Run the OpenAI-compatible HTTP intake."
-    )
-    parser.add_argument("--host", help="bind address (default KVMESH_INTAKE_HOST or 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default KVMESH_INTAKE_PORT or 8000)")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (overrides the settings)")
-    parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"))
-    args = parser.parse_args(argv)
-
     import uvicorn
+    from pydantic_settings import SettingsError
 
-    from kvmesh.runtime import configure_logging
+    from kvmesh.runtime import configure_logging, load_settings
     from services.intake.app import create_app
     from services.intake.config import IntakeSettings
 
-    configure_logging(args.log_level)
-    settings = IntakeSettings()
-    if args.host:
-        settings.host = args.host
-    if args.port is not None:
-        settings.port = args.port
-    if args.bootstrap:
-        settings.kafka.bootstrap_servers = args.bootstrap
+    try:
+        settings = load_settings(IntakeSettings, argv, "kvmesh intake")
+    except (ValueError, SettingsError) as exc:
+        sys.stderr.write(f"kvmesh intake: bad settings: {exc}\n")
+        return 2
+    configure_logging(settings.log_level.upper())
     # log_config=None keeps our logging format; access logs carry no headers, so no keys.
     uvicorn.run(
         create_app(settings, tune_gc_on_start=True),
         host=settings.host,
         port=settings.port,
         log_config=None,
-        log_level=args.log_level.lower(),
+        log_level=settings.log_level.lower(),
     )
     return 0
 

@@ -8,13 +8,14 @@ system prompt shared across tenants), ``KVMESH_INTAKE_TENANT_MAX_PROMPT_TOKENS``
 from __future__ import annotations
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from kvmesh.runtime import ShellSettings
 from schemas.blocks import DEFAULT_BLOCK_SIZE
 from streams.settings import KafkaSettings
 
 
-class IntakeSettings(BaseSettings):
+class IntakeSettings(ShellSettings):
     """Everything one intake needs: HTTP bind, limits, tenancy, and Kafka."""
 
     model_config = SettingsConfigDict(

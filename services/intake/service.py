@@ -46,6 +46,8 @@ from services.intake.sampling_fields import (
 )
 from services.intake.tools import ToolPlan, plan_tools, template_messages
 from streams.client import KvmeshClient, PublishTimeout, RequestHandle
+from streams.consumer import ConsumerMetrics
+from streams.consumer_metrics import ConsumerCollector
 from streams.producer import PublishError
 
 log = logging.getLogger("kvmesh.intake")
@@ -74,6 +76,11 @@ class IntakeService:
         self._feed = FeatureFeed(
             settings.kafka, self.features, ReportCheck.from_setting(settings.fleet_secret)
         )
+        self.metrics.registry.register(
+            ConsumerCollector(
+                "intake", lambda: [self._consumer_metrics(self.client), self._consumer_metrics(self._feed)]
+            )
+        )
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
         """Whether a request sent now can be served, and why not: connected, the broker taking
@@ -94,6 +101,11 @@ class IntakeService:
 
     def __repr__(self) -> str:
         return f"IntakeService(intake_id={self.settings.intake_id!r}, in_flight={self.in_flight})"
+
+    @staticmethod
+    def _consumer_metrics(owner: object) -> ConsumerMetrics | None:
+        consumer = getattr(owner, "_consumer", None)
+        return consumer.metrics if consumer is not None else None
 
     async def start(self) -> None:
         await self.client.start()

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from kvmesh.runtime import ShellSettings
 from streams.settings import KafkaSettings, RedisSettings
 
 
-class KvManagerSettings(BaseSettings):
+class KvManagerSettings(ShellSettings):
     """Everything the KV manager reads from its environment; built once in ``main`` and passed down."""
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_KVMANAGER_", env_nested_delimiter="__")

@@ -26,17 +26,21 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
+from kvmesh.runtime import rolled_back_on_failure
 from schemas.kv_sequence import KvSequence
-from schemas.messages import ChatRequest, KvEvent, LoadReport, ResyncRequest
+from schemas.messages import ChatRequest, KvEvent, LoadReport, ReplicateCommand, ResyncRequest
 from schemas.report_signing import ReportCheck
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import REDIS_DOWN_ERRORS, Directory, PendingFlush
 from services.kvmanager.liveness import liveness_now, lost_workers, worker_lost_message
+from services.kvmanager.metrics import KvManagerMetrics
 from services.kvmanager.placement import PlacementConfig, PlacementEngine
 from streams.admin import ensure_topics
 from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
+from streams.consumer_metrics import ConsumerCollector
 from streams.heartbeat import Heartbeat
 from streams.producer import TypedProducer
 from streams.topics import CONTROL, KV_EVENTS, LOAD, REQUESTS, TopicSpec
@@ -102,7 +106,13 @@ class KvManagerService:
         self._unflushed_event_ms: list[int] = []
         # The flush being written to Redis while the loop consumes and applies the next batch.
         self._inflight: asyncio.Task[bool] | None = None
-        self.published: dict[str, int] = {"worker_lost": 0, "replicate_command": 0, "retain_hint": 0}
+        self._lost: set[str] = set()  # declared lost and not heard from since
+        self.metrics = KvManagerMetrics(
+            lambda: len(self.directory.blocks), lambda: (len(self.directory.workers), len(self._lost))
+        )
+        self.metrics.registry.register(
+            ConsumerCollector("kvmanager", lambda: [self.consumer.metrics if self.consumer else None])
+        )
 
     @property
     def redis_ok(self) -> bool:
@@ -115,26 +125,29 @@ class KvManagerService:
         if self._task is not None:
             return
         s = self.settings
-        self.redis = aioredis.from_url(s.redis.url, **s.redis.client_kwargs())
-        await self._load_directory()
-        await ensure_topics(s.kafka)
-        self.producer = TypedProducer(s.kafka, s.manager_id)
-        await self.producer.start()
-        assign = [(spec, p) for spec in INPUT_TOPICS for p in range(spec.partitions)]
-        self.consumer = TypedConsumer(s.kafka, [], None, from_beginning=True, dedup=False, assign=assign)
-        await self.consumer.start()
-        resume = {
-            tp: off for tp, off in self.directory.offsets.items() if tp[0] in {t.name for t in INPUT_TOPICS}
-        }
-        if resume:
-            await self.consumer.seek(resume)
-        log.info(
-            "kvmanager %s started: %d blocks, %d workers, resuming %d partitions from Redis offsets",
-            s.manager_id,
-            len(self.directory.blocks),
-            len(self.directory.workers),
-            len(resume),
-        )
+        async with rolled_back_on_failure(self.stop):
+            self.redis = aioredis.from_url(s.redis.url, **s.redis.client_kwargs())
+            await self._load_directory()
+            await ensure_topics(s.kafka)
+            self.producer = TypedProducer(s.kafka, s.manager_id)
+            await self.producer.start()
+            assign = [(spec, p) for spec in INPUT_TOPICS for p in range(spec.partitions)]
+            self.consumer = TypedConsumer(s.kafka, [], None, from_beginning=True, dedup=False, assign=assign)
+            await self.consumer.start()
+            resume = {
+                tp: off
+                for tp, off in self.directory.offsets.items()
+                if tp[0] in {t.name for t in INPUT_TOPICS}
+            }
+            if resume:
+                await self.consumer.seek(resume)
+            log.info(
+                "kvmanager %s started: %d blocks, %d workers, resuming %d partitions from Redis offsets",
+                s.manager_id,
+                len(self.directory.blocks),
+                len(self.directory.workers),
+                len(resume),
+            )
         self._task = asyncio.create_task(self._run(), name="kvmanager-loop")
         self._heartbeat = Heartbeat(self.producer, "kvmanager", s.manager_id)
         self._heartbeat.start()
@@ -179,6 +192,10 @@ class KvManagerService:
         if self.redis is not None:
             await self.redis.aclose()
             self.redis = None
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.metrics.registry
 
     async def __aenter__(self) -> KvManagerService:
         await self.start()
@@ -246,10 +263,11 @@ class KvManagerService:
             if verdict == "drop":
                 return []
             self.directory.apply_kv_event(msg, env.event_ms)
-            if self.on_flush is not None:
-                self._unflushed_event_ms.append(env.event_ms)
+            self.metrics.events_applied += 1
+            self._unflushed_event_ms.append(env.event_ms)
         elif isinstance(msg, LoadReport):
             self.directory.apply_load(msg)
+            self._lost.discard(msg.worker_id)
         elif isinstance(msg, ChatRequest):
             self.directory.observe_lookup(msg)
             return [(CONTROL, hint) for hint in self.placement.on_request(msg, self.directory)]
@@ -283,6 +301,7 @@ class KvManagerService:
         out: list[tuple[TopicSpec, Any]] = []
         for lost in lost_workers(last_seen, now, s.liveness_timeout_ms):
             dropped = self.directory.drop_worker(lost.worker_id)
+            self._lost.add(lost.worker_id)
             log.warning(
                 "worker %s lost: no LoadReport since %d (%d ms); dropped %d blocks",
                 lost.worker_id,
@@ -347,8 +366,11 @@ class KvManagerService:
             if not self._redis_ok:
                 log.warning("Redis reachable again: buffered directory changes written")
             self._redis_ok = True
-            if self.on_flush is not None and pending.event_ms:
-                self.on_flush(pending.event_ms, self.clock())
+            if pending.event_ms:
+                now = self.clock()
+                self.metrics.event_lag.observe(max(now - min(pending.event_ms), 0) / 1e3)
+                if self.on_flush is not None:
+                    self.on_flush(pending.event_ms, now)
         else:
             # Its changes are back in the directory's dirty set; their event times go back too.
             self._unflushed_event_ms[:0] = pending.event_ms
@@ -375,7 +397,9 @@ class KvManagerService:
             except Exception as exc:  # control messages are advisory; a lost one is re-decided later
                 log.error("could not publish %s: %s", type(msg).__name__, exc)
                 continue
-            self.published[type(msg).SCHEMA] = self.published.get(type(msg).SCHEMA, 0) + 1
+            self.metrics.published.labels(type(msg).SCHEMA).inc()
+            if isinstance(msg, ReplicateCommand):
+                self.metrics.replications.inc()
         for fut in futures:
             try:
                 await fut

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from kvmesh.runtime import ShellSettings
 from services.scheduler.registry import POLICIES
 from services.scheduler.router import RouterSettings
 from services.scheduler.view import ViewSettings
 from streams.settings import KafkaSettings, RedisSettings
 
 
-class SchedulerSettings(BaseSettings):
+class SchedulerSettings(ShellSettings):
     """Everything a scheduler replica reads from its environment; built once in ``main``."""
 
     model_config = SettingsConfigDict(env_prefix="KVMESH_SCHEDULER_", env_nested_delimiter="__")

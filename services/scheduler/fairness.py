@@ -14,7 +14,7 @@ whose deadline passed is rejected at the next drain, wherever it is in its queue
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from schemas.messages import ChatRequest, Completion
@@ -58,6 +58,8 @@ class FairDispatcher:
         self._deficit: dict[str, int] = {}
         self._active: deque[str] = deque()
         self._queued = 0
+        #: Holds by reason, each try counted (a request held over three drains counts three times).
+        self.deferrals: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return self._queued
@@ -109,6 +111,7 @@ class FairDispatcher:
                         break
                     d = decide(req, now_ms)
                     if d.deferred:
+                        self.deferrals[d.reason or "other"] += 1
                         # A tenant at its cap, or whose next request's model has no live worker, waits;
                         # the others go on (a model without workers must not stall the rest).
                         if d.reason in ("tenant_cap", "no_live_workers"):

@@ -27,8 +27,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
+from kvmesh.runtime import rolled_back_on_failure
 from schemas.messages import (
     Assignment,
     CancelRequest,
@@ -44,11 +48,13 @@ from schemas.report_signing import ReportCheck
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.fairness import FairDispatcher
 from services.scheduler.held_requests import DecidedMarks, HeldPositions
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.router import Decision, Router
 from services.scheduler.view import FleetView
 from streams.admin import ensure_topics
 from streams.clock import now_ms as wall_ms
 from streams.consumer import Record, TypedConsumer
+from streams.consumer_metrics import ConsumerCollector
 from streams.heartbeat import Heartbeat
 from streams.producer import TypedProducer
 from streams.topics import ASSIGNMENTS, BY_NAME, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
@@ -56,27 +62,6 @@ from streams.topics import ASSIGNMENTS, BY_NAME, CONTROL, KV_EVENTS, LOAD, REPLI
 log = logging.getLogger(__name__)
 
 GROUP_ID = "kvmesh-scheduler"
-
-
-@dataclasses.dataclass
-class SchedulerStats:
-    state_records: int = 0
-    requests: int = 0
-    assigned: int = 0
-    rejected: int = 0
-    cancels_forwarded: int = 0
-    cancelled_queued: int = 0
-    redispatched: int = 0
-    skipped_decided: int = 0  # read again after a crash, already decided by the replica before
-    # state records applied in the drain right before a batch of decisions: records the consumer had
-    # already fetched while it waited for requests, which a decision would otherwise not have seen
-    state_applied_before_decide: int = 0
-    # How stale the view was at the decisions, learned afterwards: a state record that arrives with a
-    # broker timestamp not after a batch of decisions existed when they were made but was not applied.
-    # Its time minus that batch's now_ms is the batch's lag (the replay's view_lag, measured live).
-    stale_batches: int = 0
-    view_lag_ms_max: int = 0
-    view_lag_ms_last: int = 0
 
 
 #: Assignments remembered for re-dispatch when their worker is lost (oldest forgotten first).
@@ -94,7 +79,14 @@ class SchedulerService:
         self.view = FleetView(settings.block_size, settings.view_settings())
         self.router = Router(self.view, settings.router_settings(), settings.scheduler_id)
         self.dispatcher = FairDispatcher(self.router, settings.quantum_tokens)
-        self.stats = SchedulerStats()
+        self.metrics = SchedulerMetrics(
+            settings.policy, lambda: self.dispatcher.deferrals, lambda: len(self.dispatcher)
+        )
+        self.metrics.registry.register(
+            ConsumerCollector(
+                "scheduler", lambda: [c.metrics if c else None for c in (self._state, self._requests)]
+            )
+        )
         self.now_ms = 0
         self.snapshot_loaded = False
         self._redis = redis_client
@@ -134,7 +126,7 @@ class SchedulerService:
         if self._task is not None:
             return
         s = self.settings
-        try:
+        async with rolled_back_on_failure(self._close):
             if s.create_topics:
                 await ensure_topics(s.kafka)
             self._producer = TypedProducer(s.kafka, s.scheduler_id)
@@ -158,9 +150,6 @@ class SchedulerService:
                 s.kafka, [REQUESTS], GROUP_ID, from_beginning=True, dlq=self._producer
             )
             await self._requests.start()
-        except BaseException:
-            await self._close()
-            raise
         self._task = asyncio.create_task(self._loop(), name=f"scheduler-{s.scheduler_id}")
         self._heartbeat = Heartbeat(self._producer, "scheduler", s.scheduler_id)
         self._heartbeat.start()
@@ -172,6 +161,10 @@ class SchedulerService:
             len(self.view.workers),
             "loaded" if self.snapshot_loaded else "not used",
         )
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.metrics.registry
 
     async def stop(self) -> None:
         if self._heartbeat is not None:
@@ -285,12 +278,17 @@ class SchedulerService:
                     late = await self._state.getmany(timeout_ms=0)
                     for record in late:
                         self._apply_state(record)
-                    self.stats.state_applied_before_decide += len(late)
+                    self.metrics.state_applied_before_decide.inc(len(late))
                     records = records or late
                 if not records and not requests and len(self.dispatcher):
                     self.now_ms = max(self.now_ms, wall_ms())
                 self._check_silent()
+                t0 = time.perf_counter()  # measured, never read by a decision
                 decisions = self.dispatcher.drain(self.now_ms)
+                if decisions:
+                    per = (time.perf_counter() - t0) / len(decisions)
+                    for _ in decisions:
+                        self.metrics.decision_seconds.observe(per)
                 await self._publish(decisions)
                 if requests or decisions:
                     await self._settle(decisions)
@@ -330,16 +328,15 @@ class SchedulerService:
         wall, now, counted = self._decided_at
         if record.timestamp_ms <= wall:
             lag = max(record.timestamp_ms - now, 0)
-            self.stats.view_lag_ms_last = lag
-            self.stats.view_lag_ms_max = max(self.stats.view_lag_ms_max, lag)
+            self.metrics.view_lag.set(lag / 1e3)
             if not counted:
-                self.stats.stale_batches += 1
+                self.metrics.stale_batches.inc()
                 self._decided_at = (wall, now, True)
         key = f"{record.topic}/{record.partition}"
         self._since.setdefault(key, record.offset)
         self._applied[key] = record.offset + 1
         msg = record.message
-        self.stats.state_records += 1
+        self.metrics.state_records.inc()
         if isinstance(msg, KvEvent):
             self.view.apply_kv_event(msg)
             self._advance(msg.event_ms)
@@ -371,6 +368,7 @@ class SchedulerService:
         elif isinstance(msg, Completion):
             self.view.note_completion(msg)
             self._assigned.pop(msg.request_id, None)
+            self.metrics.completed(msg)
 
     def _redispatch_from(self, worker_id: str, keep_epoch: int | None = None) -> None:
         """Queue again every request assigned to a lost (or restarted) worker that never completed,
@@ -384,7 +382,7 @@ class SchedulerService:
             del self._assigned[a.request.request_id]
             self._reply_topics[a.request.request_id] = a.request.reply_topic
             self.dispatcher.submit(a.request)
-            self.stats.redispatched += 1
+            self.metrics.redispatches.inc()
         if orphans:
             log.warning(
                 "worker %s lost with %d requests in flight: re-deciding them", worker_id, len(orphans)
@@ -419,10 +417,10 @@ class SchedulerService:
 
     async def _on_request(self, record: Record, skip: set[str] | frozenset[str] = frozenset()) -> None:
         msg = record.message
-        self.stats.requests += 1
+        self.metrics.requests.inc()
         if isinstance(msg, ChatRequest):
             if msg.request_id in skip:
-                self.stats.skipped_decided += 1
+                self.metrics.skipped_decided.inc()
                 return
             self._held.read(msg.request_id, record.partition, record.offset)
             self._advance(msg.arrival_ms)
@@ -436,7 +434,8 @@ class SchedulerService:
         assert producer is not None
         queued = self.dispatcher.cancel(msg.request_id)
         if queued is not None:
-            self.stats.cancelled_queued += 1
+            self.metrics.cancels.labels("queued").inc()
+            self.metrics.decisions.labels(self.settings.policy, "cancelled").inc()
             self._held.done(msg.request_id)
             if len(self._held):
                 await self._marks.mark([(msg.request_id, queued.deadline_ms)], wall_ms())
@@ -449,7 +448,7 @@ class SchedulerService:
         if worker is None:
             log.info("cancel of unknown request %s dropped", msg.request_id)
             return
-        self.stats.cancels_forwarded += 1
+        self.metrics.cancels.labels("forwarded").inc()
         await producer.send(ASSIGNMENTS, dataclasses.replace(msg, worker_id=worker), key=worker)
 
     async def _publish(self, decisions: list[Decision]) -> None:
@@ -472,12 +471,12 @@ class SchedulerService:
                     while len(self._assigned) > MAX_TRACKED_INFLIGHT:
                         del self._assigned[next(iter(self._assigned))]
                 futures.append(await producer.send(ASSIGNMENTS, a, wait=False))
-                self.stats.assigned += 1
+                self.metrics.assigned(a)
             elif d.rejection is not None:
                 c = d.rejection
                 topic = self._reply_spec(self._reply_topics.pop(c.request_id, ""))
                 futures.append(await producer.send(topic, c, wait=False))
-                self.stats.rejected += 1
+                self.metrics.rejected(d.reason)
                 log.info("rejected %s: %s", c.request_id, c.error)
         await asyncio.gather(*futures)
 

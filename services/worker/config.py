@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from kvmesh.runtime import ShellSettings
 from services.worker.errors import ModelConfigError
 from services.worker.model_configs import MODEL_CONFIGS
 from streams.settings import KafkaSettings
@@ -33,7 +34,7 @@ def served_model_for(model: str) -> str:
     return name if name.startswith("kvmesh-") else f"kvmesh-{name}"
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(ShellSettings):
     """Everything a worker needs: engine shape, KV tiers, data plane and Kafka."""
 
     model_config = SettingsConfigDict(

@@ -32,7 +32,10 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from prometheus_client import CollectorRegistry
+
 from kvmesh.costmodel import fetch_beats_recompute
+from kvmesh.runtime import rolled_back_on_failure
 from kvmesh.text_stream import TextStream
 from schemas.messages import (
     Assignment,
@@ -43,6 +46,7 @@ from schemas.messages import (
     ReplicateCommand,
     ResyncRequest,
     RetainHint,
+    TierUsage,
     TokenChunk,
     WorkerLost,
 )
@@ -52,10 +56,12 @@ from services.worker.config import WorkerSettings
 from services.worker.engine_api import EngineRequest, RequestRejected, StepOutput, WorkerEngine
 from services.worker.fetch_planning import fetch_planned, replicate
 from services.worker.fleet_view import FleetCopies
+from services.worker.metrics import WorkerMetrics
 from services.worker.reports import RunningRequest, WorkerIdentity, build_completion, build_load_report
 from streams import topics
 from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
+from streams.consumer_metrics import ConsumerCollector
 from streams.producer import TypedProducer, partition_for
 
 if TYPE_CHECKING:
@@ -111,22 +117,19 @@ class WorkerService:
         self._draining = False
         self._last_load: tuple[int, int, int] | None = None
         self._started_ms = 0
-        self.metrics: dict[str, int] = {
-            "assignments": 0,
-            "duplicate_assignments": 0,
-            "stale_assignments": 0,
-            "kv_event_gaps": 0,
-            "completed": 0,
-            "errors": 0,
-            "rejected": 0,
-            "cancelled": 0,
-            "fetched_blocks": 0,
-            "fetch_failures": 0,
-            "fetches_declined": 0,
-            "fallbacks": 0,
-            "replications": 0,
-            "reannounced_blocks": 0,
-        }
+        from services.worker.transfer import TransferMetrics
+
+        self.transfer_metrics = TransferMetrics()
+        self._tiers: list[TierUsage] = []  # as of the last LoadReport, for /metrics
+        self.metrics = WorkerMetrics(self.transfer_metrics, lambda: self._tiers, lambda: len(self._running))
+        self.metrics.registry.register(
+            ConsumerCollector(
+                "worker",
+                lambda: [
+                    c.metrics if c else None for c in (self._assignments, self._control, self._fleet_state)
+                ],
+            )
+        )
 
     # ----------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> WorkerService:
@@ -141,7 +144,7 @@ class WorkerService:
             return
         self._started = True
         from services.worker.engines import build_engine
-        from services.worker.transfer import BlockClient, BlockServer, TransferMetrics
+        from services.worker.transfer import BlockClient, BlockServer
 
         s = self.settings
         try:
@@ -149,12 +152,17 @@ class WorkerService:
         except BaseException:
             self._started = False
             raise
+        async with rolled_back_on_failure(self.stop):
+            await self._start_parts(BlockClient, BlockServer)
+
+    async def _start_parts(self, client_cls: type[BlockClient], server_cls: type[BlockServer]) -> None:
+        """Everything after the engine; a failure rolls back what started (see start)."""
+        s = self.settings
         if s.calibrate:
             self._profile = await asyncio.to_thread(self.engine.calibrate)
-        self.transfer_metrics = TransferMetrics()
         source = self.engine.block_source()
         if source is not None:
-            self._server = BlockServer(
+            self._server = server_cls(
                 source,
                 host=s.transfer_host,
                 port=s.transfer_port,
@@ -171,7 +179,7 @@ class WorkerService:
                     self._profile, link_gbps=link.link_gbps, link_latency_ms=link.latency_ms
                 )
         if self.engine.block_sink() is not None:
-            self._client = BlockClient(
+            self._client = client_cls(
                 s.secret_bytes(), timeout_s=s.fetch_timeout_s, metrics=self.transfer_metrics
             )
         self._started_ms = now_ms()
@@ -234,6 +242,10 @@ class WorkerService:
             self.transfer_address or "off",
         )
 
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.metrics.registry
+
     async def stop(self) -> None:
         if not self._started or self._stopping:
             return
@@ -266,7 +278,13 @@ class WorkerService:
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self._producer.stop()
+        # Restartable: a later start() builds every part again.
+        self._assignments = self._control = self._fleet_state = None
+        self._server = None
+        self._client = None
+        self._tasks = []
         self._started = False
+        self._stopping = False
         log.info("worker %s stopped", self.worker_id)
 
     async def run_forever(self) -> None:
@@ -288,17 +306,17 @@ class WorkerService:
                 # Decided for this worker's previous instance (before a restart): the scheduler decides
                 # it again (it sees the new instance, or the old one declared lost); running it here
                 # too would run it twice.
-                self.metrics["stale_assignments"] += 1
+                self.metrics.assignments.labels("stale").inc()
                 log.info("request %s was decided for a previous instance of this worker; skipping it", rid)
                 return
             if rid in self._admitted:
-                self.metrics["duplicate_assignments"] += 1
+                self.metrics.assignments.labels("duplicate").inc()
                 log.info("request %s was already assigned here; not running it twice", rid)
                 return
             self._admitted[rid] = None
             if len(self._admitted) > ADMITTED_IDS_KEPT:
                 self._admitted.popitem(last=False)
-            self.metrics["assignments"] += 1
+            self.metrics.assignments.labels("accepted").inc()
             await self._admit(msg)
         elif isinstance(msg, CancelRequest):
             await self._inbox.put(("cancel", msg))
@@ -337,7 +355,7 @@ class WorkerService:
         req = a.request
         started = time.perf_counter()
         if req.deadline_ms is not None and now_ms() > req.deadline_ms:
-            self.metrics["rejected"] += 1
+            self.metrics.requests.labels("rejected").inc()
             await self._send_completion(req, finish_reason="rejected", error="deadline passed before start")
             return
         entry = RunningRequest(request=req, started=started, expected_blocks=a.reuse_blocks)
@@ -348,9 +366,8 @@ class WorkerService:
             got = await fetch_planned(
                 a, entry, self._client, sink, self.engine.lookup_prefix, self.worker_id, self._worth_fetching
             )
-            self.metrics["fetched_blocks"] += got.fetched_blocks
-            self.metrics["fetch_failures"] += got.failures
-            self.metrics["fetches_declined"] += got.declined
+            self.metrics.fetched_blocks.inc(got.fetched_blocks)
+            self.metrics.fetches_declined += got.declined
         elif a.fetch:
             entry.fallback = f"engine {self.engine.kind} takes no peer blocks; recomputing"
         await self._inbox.put(("add", entry))
@@ -371,7 +388,7 @@ class WorkerService:
         got = await replicate(cmd, self._client, sink, self.engine.lookup_prefix, self.worker_id)
         if got is None:
             return
-        self.metrics["replications"] += 1
+        self.metrics.replications.inc()
         await self._publish_kv_events()
 
     # ----------------------------------------------------------------- engine loop
@@ -401,7 +418,7 @@ class WorkerService:
                             )
                         )
                     except RequestRejected as exc:
-                        self.metrics["errors"] += 1
+                        self.metrics.requests.labels("error").inc()
                         await self._send_completion(req, finish_reason="error", error=str(exc))
                         continue
                     if req.sampling.stop:
@@ -414,7 +431,7 @@ class WorkerService:
                     # The next step reports the request as finished with reason "cancelled"; that
                     # output sends the one Completion.
                     if item.request_id in self._running and self.engine.abort(item.request_id):
-                        self.metrics["cancelled"] += 1
+                        self.metrics.requests.labels("cancelled").inc()
             outputs = await asyncio.to_thread(self.engine.step)
             for out in outputs:
                 await self._handle_output(out)
@@ -462,9 +479,9 @@ class WorkerService:
             self._running.pop(req.request_id, None)
             reason = reason or "stop"
             if reason == "error":
-                self.metrics["errors"] += 1
+                self.metrics.requests.labels("error").inc()
             else:
-                self.metrics["completed"] += 1
+                self.metrics.requests.labels("completed").inc()
             await self._send_completion(
                 req, finish_reason=reason, entry=entry, error=getattr(out, "error", None)
             )
@@ -482,7 +499,9 @@ class WorkerService:
             req, self.worker_id, finish_reason, entry, error, self.engine.tokenizer if self.engine else None
         )
         if fell_back:
-            self.metrics["fallbacks"] += 1
+            self.metrics.completion_fallbacks.inc()
+        stats = entry.stats if entry is not None else None
+        self.metrics.observe_completion(c, req.block_size, stats.promoted_blocks if stats is not None else 0)
         assert self._producer is not None
         await self._producer.send(_reply_spec(req.reply_topic), c)
 
@@ -510,7 +529,7 @@ class WorkerService:
                     # The events from here on are lost (the broker was away): the fleet's view of
                     # this worker has a gap. The next publish replaces it whole (cleared + holdings).
                     self._kv_resync = True
-                    self.metrics["kv_event_gaps"] += 1
+                    self.metrics.kv_event_gaps.inc()
                     log.warning(
                         "worker %s lost %d KV events (%s); resyncing the fleet's view of it",
                         self.worker_id,
@@ -524,6 +543,7 @@ class WorkerService:
         tell a gap; a number lost with a failed send is such a gap, and they ask for a resync."""
         assert self._producer is not None
         self._kv_seq += 1
+        self.metrics.observe_kv_event(ev)
         await self._producer.send(
             topics.KV_EVENTS, dataclasses.replace(ev, seq=self._kv_seq, epoch=self._started_ms)
         )
@@ -555,7 +575,7 @@ class WorkerService:
             for ev in events:
                 await self._send_kv(ev)
         n = sum(len(ev.block_hashes) for ev in events if ev.kind == "stored")
-        self.metrics["reannounced_blocks"] += n
+        self.metrics.reannounced_blocks.inc(n)
         log.warning("worker %s was declared lost while alive: re-announced %d blocks", self.worker_id, n)
 
     async def _load_loop(self) -> None:
@@ -577,6 +597,7 @@ class WorkerService:
         if self.engine is None or self._producer is None:
             return
         load = self.engine.load()
+        self._tiers = load.tiers
         key = (load.queue_depth, load.active_requests, load.active_tokens // 256)
         # Between intervals, report only large changes (a new request queued, one finished).
         if not force and key == self._last_load:

@@ -117,7 +117,7 @@ async def test_retain_hint_keeps_a_returning_sessions_blocks_under_pressure(stac
     turn2 = turn1 + block_tokens("1: and the second turn. ", 2)
     await stack.producer.send(topics.REQUESTS, chat_request("s-2", turn2, session="sess-s"))
     await wait_for(lambda: all(a.engine.kv.is_retained(h) for h in hs))
-    assert stack.manager.published["retain_hint"] == 1
+    assert stack.manager.metrics.value("published_total", kind="retain_hint") == 1
 
     # A one-turn session after it, then 25 blocks of pressure: 11 of these 35 blocks must go.
     other = block_tokens("2: a session that never comes back. ", 5)
@@ -141,9 +141,9 @@ async def test_hot_system_prompt_on_one_worker_is_replicated_to_another(stack: S
         prompt = system + block_tokens(f"{i}: user {i} asks something. ", 2)
         await stack.serve(chat_request(f"r-{i}", prompt, session=f"sess-{i}"), "worker-a")
     await wait_for(lambda: stack.listed("worker-b", shared))
-    assert b.engine.lookup_prefix(shared) == 5 and b.metrics["replications"] >= 1
+    assert b.engine.lookup_prefix(shared) == 5 and b.metrics.value("replications_total") >= 1
     assert stack.listed("worker-a", shared)
-    assert stack.manager.published["replicate_command"] >= 1
+    assert stack.manager.metrics.value("published_total", kind="replicate_command") >= 1
     # Only the hot prefix travelled: the sessions' own blocks stay on A alone.
     own = block_hashes(system + block_tokens("0: user 0 asks something. ", 2), BS, NS)[5:]
     assert b.engine.lookup_prefix(own) == 0
@@ -173,11 +173,11 @@ async def test_worker_declared_lost_while_alive_reannounces_its_blocks(
 
     a._publish_load = paused  # type: ignore[method-assign]
     try:
-        await wait_for(lambda: stack.manager.published["worker_lost"] >= 1)
+        await wait_for(lambda: stack.manager.metrics.value("published_total", kind="worker_lost") >= 1)
     finally:
         a._publish_load = publish_load  # type: ignore[method-assign]
     # A hears about itself and re-announces; the directory and B's fleet view list its blocks again.
-    await wait_for(lambda: a.metrics["reannounced_blocks"] >= len(hs))
+    await wait_for(lambda: a.metrics.value("reannounced_blocks_total") >= len(hs))
     await wait_for(lambda: stack.listed("worker-a", hs) and all(b.fleet.copies(h) == 1 for h in hs))
     client = aioredis.from_url(redis_settings.url, **redis_settings.client_kwargs())
     try:

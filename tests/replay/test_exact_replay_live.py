@@ -75,19 +75,29 @@ def test_replay_with_the_recorded_policy_reproduces_every_live_decision(
     assert (result["divergences"], result["unreproducible"], result["dead"]) == (0, 0, 0), text
     assert result["view_lag"]["max_ms"] >= 0
     assert all(d["positions"] for d in result["decisions"])
+    # each decision's prediction beside what its request got, as the live scheduler measures it
+    compared = [d for d in result["decisions"] if d["prediction_vs_outcome"] is not None]
+    assert len(compared) >= USERS * (TURNS + 1)
+    for d in compared:
+        q, got = d["prediction_vs_outcome"], d["outcome_measured"]
+        assert q["achieved_hit_tokens"] == got["reused_tokens"] + got["fetched_tokens"]
+        assert q["observed_ttft_ms"] == got["ttft_ms"] and q["predicted_ttft_ms"] == d["recorded_ttft_ms"]
+    quality = result["prediction_quality"]
+    assert quality["requests"] == len(compared) and quality["achieved_hit_tokens"] > 0
+    assert "ttft predicted=" in text and "hit predicted=" in text and "hit_achieved=" in text
     # two replays of one recording print the same bytes
     _, again = _replay(recording, capsys)
     assert again == text
 
 
 def test_another_policy_diverges_and_explains(recording: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result, _ = _replay(recording, capsys, "--policy", "prefix_aware")
-    assert result["policy"] == "prefix_aware" and result["unreproducible"] == 0
+    result, _ = _replay(recording, capsys, "--policy", "round_robin")
+    assert result["policy"] == "round_robin" and result["unreproducible"] == 0
     diverged = [d for d in result["decisions"] if d["diverged"]]
     assert diverged
     rid = diverged[0]["request_id"]
     capsys.readouterr()
-    assert replay_main([str(recording), "--policy", "prefix_aware", "--explain", rid]) == 0
+    assert replay_main([str(recording), "--policy", "round_robin", "--explain", rid]) == 0
     text = capsys.readouterr().out
     assert f"request {rid}: recorded {diverged[0]['recorded_worker']}" in text
     assert "inputs applied up to: " in text and f"{LOAD.name}/" in text

@@ -125,7 +125,9 @@ async def test_restart_from_snapshot_reaches_same_view(
         async with restarted, never_stopped:
             assert restarted.snapshot_loaded
             # the restarted replica skipped the records the snapshot covers
-            assert restarted.stats.state_records < never_stopped.stats.state_records
+            assert restarted.metrics.value("state_records_total") < never_stopped.metrics.value(
+                "state_records_total"
+            )
             assert len(restarted.view.index) == 34
             assert restarted.view.index.to_dict() == never_stopped.view.index.to_dict()
 
@@ -161,7 +163,7 @@ async def test_a_restarted_worker_gets_its_old_in_flight_requests_decided_again_
                 await prod.send(LOAD, dataclasses.replace(load("w-0", t0 + 300), started_ms=t0 + 100))
                 await asyncio.sleep(1.0)
                 assert not [r for r in await out.getmany(timeout_ms=500) if isinstance(r.message, Assignment)]
-                assert service.stats.redispatched == 2
+                assert service.metrics.value("redispatches_total") == 2
                 # a late WorkerLost for the old instance (declared before the new one reported) leaves
                 # what was decided for the new instance where it is
                 from schemas.messages import WorkerLost
@@ -170,13 +172,13 @@ async def test_a_restarted_worker_gets_its_old_in_flight_requests_decided_again_
                 await prod.send(CONTROL, WorkerLost("w-0", t0 + 90, t0 + 150))
                 await wait_for(lambda: service.view._lost.get("w-0") == t0 + 150)
                 await asyncio.sleep(1.0)
-                assert service.stats.redispatched == 2
+                assert service.metrics.value("redispatches_total") == 2
                 # a KV manager that lags (last saw w-0 before the scheduler did) declares it lost late:
                 # the scheduler heard from that instance since, so it re-decides nothing
                 await prod.send(CONTROL, WorkerLost("w-0", t0 + 250, t0 + 10_000))
                 await wait_for(lambda: service.view._lost.get("w-0") == t0 + 10_000)
                 await asyncio.sleep(0.5)
-                assert service.stats.redispatched == 2
+                assert service.metrics.value("redispatches_total") == 2
         finally:
             await out.stop()
 
@@ -238,7 +240,9 @@ async def test_held_requests_survive_a_replica_and_decided_ones_are_not_decided_
             # the successor: same group, reads again from the held request on
             second = SchedulerService(settings(kafka_settings, redis=redis, scheduler_id="scheduler-1"))
             async with second:
-                await wait_for(lambda: second.stats.skipped_decided == 2 and len(second.dispatcher) == 1)
+                await wait_for(
+                    lambda: second.metrics.value("skipped_decided_total") == 2 and len(second.dispatcher) == 1
+                )
                 await prod.send(LOAD, dataclasses.replace(load("w-1", now_ms()), model="m-b"))
                 late = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 1)
                 await asyncio.sleep(1.0)
@@ -332,6 +336,6 @@ async def test_a_silent_worker_s_requests_are_re_decided_without_a_worker_lost(
             assert [(m.request.request_id, m.worker_id) for m in again if isinstance(m, Assignment)] == [
                 ("r1", "w-1")
             ]
-            assert service.stats.redispatched == 1
+            assert service.metrics.value("redispatches_total") == 1
     finally:
         await out.stop()

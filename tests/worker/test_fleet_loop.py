@@ -143,7 +143,7 @@ async def test_replicate_command_pulls_blocks_that_a_request_then_reuses(fleet: 
     )
     await fleet.producer.send(topics.CONTROL, cmd)
     await wait_for(lambda: set(h) <= fleet.announced("worker-b", "stored"))
-    assert b.engine.lookup_prefix(h) == 6 and b.metrics["replications"] == 1
+    assert b.engine.lookup_prefix(h) == 6 and b.metrics.value("replications_total") == 1
     assert {b.engine.kv.tier_of(x) for x in h} == {"dram"}
 
     c = await fleet.run(assignment(chat_request("on-b", prompt, max_tokens=8), "worker-b", reuse=6))

@@ -171,7 +171,7 @@ async def test_failed_fetch_falls_back_to_recompute_with_identical_output(fleet:
     assert c.output_token_ids == ref.output_token_ids
     assert c.fetched_tokens == 0 and c.recomputed_tokens == len(p1)
     assert c.fallback and "incomplete" in c.fallback
-    assert fleet.workers["worker-b"].metrics["fetch_failures"] == 1
+    assert fleet.workers["worker-b"].transfer_metrics.fetch_failures.total() == 1
 
 
 async def test_bad_requests_get_error_completions_and_the_worker_goes_on(fleet: Fleet) -> None:
@@ -213,14 +213,17 @@ async def test_an_assignment_decided_twice_runs_once(fleet: Fleet) -> None:
     req = _request("twice", _turn1())
     first = await fleet.run(_assign(req, "worker-a"))
     worker = fleet.workers["worker-a"]
-    before = worker.metrics["completed"]
+    before = worker.metrics.value("requests_total", outcome="completed")
     again = _assign(req, "worker-a")  # a new record, not a redelivery of the old one
     await fleet.producer.send(topics.ASSIGNMENTS, again)
     async with asyncio.timeout(20):
-        while worker.metrics["duplicate_assignments"] < 1:
+        while worker.metrics.value("assignments_total", kind="duplicate") < 1:
             await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)
-    assert worker.metrics["completed"] == before and worker.metrics["assignments"] == 1
+    assert (
+        worker.metrics.value("requests_total", outcome="completed") == before
+        and worker.metrics.value("assignments_total", kind="accepted") == 1
+    )
     assert fleet.completions["twice"] == first
 
 
@@ -235,7 +238,7 @@ async def test_an_assignment_decided_for_a_previous_instance_is_skipped(fleet: F
     )
     await fleet.producer.send(topics.ASSIGNMENTS, old)
     async with asyncio.timeout(20):
-        while worker.metrics["stale_assignments"] < 1:
+        while worker.metrics.value("assignments_total", kind="stale") < 1:
             await asyncio.sleep(0.05)
     fresh = dataclasses.replace(
         _assign(_request("fresh", _turn1()), "worker-a"), worker_epoch=worker._started_ms
@@ -284,7 +287,7 @@ async def test_kv_events_lost_to_a_broker_outage_are_repaired_by_a_resync(fleet:
     finally:
         await consumer.stop()
     assert failed and c.finish_reason in ("stop", "length")
-    assert worker.metrics["kv_event_gaps"] == 1 and not worker._kv_resync
+    assert worker.metrics.value("kv_event_gaps_total") == 1 and not worker._kv_resync
 
 
 async def test_a_resync_request_replaces_the_fleets_view_with_numbered_events(fleet: Fleet) -> None:

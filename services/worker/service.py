@@ -30,7 +30,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -522,30 +522,34 @@ class WorkerService:
                     log.warning("worker %s could not resync its KV holdings yet: %s", self.worker_id, exc)
                 return
             events = self.engine.drain_kv_events()
-            for i, ev in enumerate(events):
-                try:
-                    await self._send_kv(ev)
-                except Exception as exc:
-                    # The events from here on are lost (the broker was away): the fleet's view of
-                    # this worker has a gap. The next publish replaces it whole (cleared + holdings).
-                    self._kv_resync = True
-                    self.metrics.kv_event_gaps.inc()
-                    log.warning(
-                        "worker %s lost %d KV events (%s); resyncing the fleet's view of it",
-                        self.worker_id,
-                        len(events) - i,
-                        exc,
-                    )
-                    return  # callers (the engine loop among them) go on; the resync repairs it
+            try:
+                # Queued together, they leave in one batch per partition (one record batch on the
+                # broker, not one per event), in order; then every one is confirmed.
+                acks = [await self._send_kv(ev, wait=False) for ev in events]
+                for ack in acks:
+                    await ack
+            except Exception as exc:
+                # Some of these events are lost (the broker was away): the fleet's view of this
+                # worker has a gap. The next publish replaces it whole (cleared + holdings).
+                self._kv_resync = True
+                self.metrics.kv_event_gaps.inc()
+                log.warning(
+                    "worker %s may have lost up to %d KV events (%s); resyncing the fleet's view of it",
+                    self.worker_id,
+                    len(events),
+                    exc,
+                )
+                return  # callers (the engine loop among them) go on; the resync repairs it
 
-    async def _send_kv(self, ev: KvEvent) -> None:
+    async def _send_kv(self, ev: KvEvent, wait: bool = True) -> Any:
         """Publish one KV event, numbered (seq within this instance's epoch) so that consumers can
-        tell a gap; a number lost with a failed send is such a gap, and they ask for a resync."""
+        tell a gap; a number lost with a failed send is such a gap, and they ask for a resync.
+        ``wait=False``: return once queued, with the awaitable of its acknowledgement."""
         assert self._producer is not None
         self._kv_seq += 1
         self.metrics.observe_kv_event(ev)
-        await self._producer.send(
-            topics.KV_EVENTS, dataclasses.replace(ev, seq=self._kv_seq, epoch=self._started_ms)
+        return await self._producer.send(
+            topics.KV_EVENTS, dataclasses.replace(ev, seq=self._kv_seq, epoch=self._started_ms), wait=wait
         )
 
     def _holdings_chunk(self) -> int:

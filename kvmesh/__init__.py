@@ -1,7 +1,8 @@
 """kvmesh: a global KV-cache layer for LLM inference fleets.
 
-This package holds what every service shares beyond the wire contracts: the cost model, the
-tokenizer and chat template, the command line, the dev runner, benchmarks, the simulator and replay.
+This package holds the tools on top of the services: the command line, the dev runner, the demo,
+benchmarks, the simulator and replay. What the services and the tools share (errors, cost model,
+tokenizer, service shell) lives in ``kvmesh_core``, below every other layer.
 """
 
 __version__ = "0.1.0"

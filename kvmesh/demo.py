@@ -166,7 +166,7 @@ def reference_answers(
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep vLLM's start-up chatter off stdout
-    from kvmesh.tokenizer import ChatMessage, render_chat
+    from kvmesh_core.tokenizer import ChatMessage, render_chat
     from schemas.blocks import block_hashes
     from services.worker.config import WorkerSettings
     from services.worker.engine_api import EngineRequest

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 from schemas.blocks import DEFAULT_BLOCK_SIZE, block_hashes, tenant_namespace
 from schemas.messages import ChatRequest
 

@@ -4,7 +4,7 @@ Every failure to turn bytes into a message is a :class:`SchemaError`. Consumers 
 and turn the record into a dead-letter record; nothing else about a bad record may crash a service.
 """
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 
 
 class SchemaError(KvmeshError):

@@ -344,7 +344,7 @@ class TierUsage:
 class LoadReport:
     """A worker's load and measured speed, keyed by ``worker_id``; also its liveness heartbeat.
 
-    The speed figures feed the shared cost model (kvmesh.costmodel) so the scheduler's estimates follow
+    The speed figures feed the shared cost model (kvmesh_core.costmodel) so the scheduler's estimates follow
     the machine: prefill cost per token, decode step time, link bandwidth and per-transfer latency.
     """
 
@@ -380,7 +380,7 @@ class LoadReport:
     peer_transfer: bool = True
     # The attention part of the queued prefill: the sum over queued prompts of new tokens x (tokens
     # already before them + half the new ones), so the scheduler prices the queue as recompute_ms does
-    # (kvmesh.costmodel.prefill_ctx). 0: not reported; the scheduler then assumes no cached context.
+    # (kvmesh_core.costmodel.prefill_ctx). 0: not reported; the scheduler then assumes no cached context.
     queued_prefill_ctx_tokens: float = 0.0
     #: What the engine honours of a request's sampling fields (BASE_FEATURES + OPTIONAL_FEATURES):
     #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which

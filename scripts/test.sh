@@ -7,5 +7,7 @@ bash scripts/bootstrap.sh
 PY="${PYTHON:-python3}"
 "$PY" -m ruff check .
 "$PY" -m mypy --no-error-summary
+# the layers import downward only (pyproject [tool.importlinter])
+"$PY" -c "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c(['--no-cache']))"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from kvmesh.errors import KvmeshError
-from kvmesh.tokenizer import ByteTokenizer, ChatMessage, Tokenizer, render_chat
+from kvmesh_core.errors import KvmeshError
+from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, Tokenizer, render_chat
 from schemas.blocks import DEFAULT_BLOCK_SIZE, block_hashes, tenant_namespace
 from schemas.messages import CancelRequest, ChatRequest, Completion, SamplingParams, TokenChunk
 from streams import topics

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvmesh.tokenizer import ByteTokenizer
+from kvmesh_core.tokenizer import ByteTokenizer
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import Assignment, ChatRequest, Estimate
 from streams.clock import now_ms

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvmesh.costmodel import PROFILES, fetch_beats_recompute, fetch_ms, promote_ms, transfer_ms
+from kvmesh_core.costmodel import PROFILES, fetch_beats_recompute, fetch_ms, promote_ms, transfer_ms
 
 H100 = PROFILES["h100-llama3-8b"]
 

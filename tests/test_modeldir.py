@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.modeldir import SPECIAL_TOKENS, init_model_dir
 from kvmesh.modeldir import main as model_main
-from kvmesh.tokenizer import ChatMessage, HFTokenizer, load_tokenizer, render_chat, render_history
+from kvmesh_core.tokenizer import ChatMessage, HFTokenizer, load_tokenizer, render_chat, render_history
 from schemas.blocks import block_hashes, tenant_namespace
 from services.worker.config import WorkerSettings, model_dir_of, served_model_for
 from services.worker.engine_api import EngineRequest

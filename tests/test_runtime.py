@@ -1,4 +1,4 @@
-"""kvmesh.runtime.tune_gc: what every long-running service does to its collector once started."""
+"""kvmesh_core.runtime.tune_gc: what every long-running service does to its collector once started."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 SCRIPT = """
 import gc, json
-from kvmesh.runtime import GC_GEN0_THRESHOLD, tune_gc
+from kvmesh_core.runtime import GC_GEN0_THRESHOLD, tune_gc
 before = gc.get_threshold()
 keep = [[i] for i in range(1000)]  # alive at start: must end up frozen
 tune_gc()

@@ -9,7 +9,13 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from kvmesh.runtime import MetricsServer, ShellSettings, load_settings, rolled_back_on_failure, run_service
+from kvmesh_core.runtime import (
+    MetricsServer,
+    ShellSettings,
+    load_settings,
+    rolled_back_on_failure,
+    run_service,
+)
 from services.intake.config import IntakeSettings
 from services.kvmanager.config import KvManagerSettings
 from services.scheduler.__main__ import main as scheduler_main

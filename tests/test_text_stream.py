@@ -1,12 +1,12 @@
-"""The stop-string rule the worker and the intake share (kvmesh.text_stream)."""
+"""The stop-string rule the worker and the intake share (kvmesh_core.text_stream)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.text_stream import TextStream, find_stop, partial_stop
-from kvmesh.tokenizer import ByteTokenizer
+from kvmesh_core.text_stream import TextStream, find_stop, partial_stop
+from kvmesh_core.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -24,7 +24,7 @@ names, so ``kvmesh simulate`` and this bench can be set side by side):
 
 With ``--json`` the last stdout line is one JSON object ``{"policies": {name: summary}, ...}``; each
 summary also holds ``errors``, ``worker_ids``, ``wall_s`` and the ``profile`` the workers calibrated
-(a :class:`~kvmesh.costmodel.PerfProfile` as a dict: what to feed the simulator for the same fleet).
+(a :class:`~kvmesh_core.costmodel.PerfProfile` as a dict: what to feed the simulator for the same fleet).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from kvmesh.bench.fleet_workloads import (
     multiturn_live,
     shared_prefix_live,
 )
-from kvmesh.costmodel import PerfProfile
-from kvmesh.errors import KvmeshError
 from kvmesh.sim.engine import SimResult
 from kvmesh.sim.metrics import RequestRecord
 from kvmesh.workloads import MultiTurnSpec, SharedPrefixSpec, WorkloadError
+from kvmesh_core.costmodel import PerfProfile
+from kvmesh_core.errors import KvmeshError
 from services.scheduler.router import POLICIES
 from streams.settings import KafkaSettings
 

@@ -36,7 +36,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from tqdm import tqdm
 
-from kvmesh.runtime import GC_GEN0_THRESHOLD, tune_gc
+from kvmesh_core.runtime import GC_GEN0_THRESHOLD, tune_gc
 from schemas.messages import KvEvent
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import Directory
@@ -172,7 +172,7 @@ async def run(args: argparse.Namespace, kafka: KafkaSettings, redis: RedisSettin
     svc = KvManagerService(settings, on_flush=on_flush)
     bar = tqdm(total=args.events, desc="apply", disable=args.json, mininterval=0.5)
     await svc.start()
-    # As `kvmesh kvmanager` does once started (kvmesh.runtime.tune_gc).
+    # As `kvmesh kvmanager` does once started (kvmesh_core.runtime.tune_gc).
     tune_gc()
     try:
         t0 = time.perf_counter()

@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvmesh.costmodel import PROFILES
+from kvmesh_core.costmodel import PROFILES
 from schemas.messages import ChatRequest, LoadReport, TierUsage
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.router import Router, RouterSettings

@@ -35,7 +35,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
-from kvmesh.runtime import GC_GEN0_THRESHOLD, tune_gc
+from kvmesh_core.runtime import GC_GEN0_THRESHOLD, tune_gc
 from schemas.blocks import block_hashes
 from schemas.codec import decode, encode
 from schemas.messages import ChatRequest

@@ -9,7 +9,7 @@ loopback ceiling.
 
 ``fetch_vs_recompute_speedup_4k``: with ``services.worker.engine`` present, the server process runs a
 real 4096-token prefill of the tiny model and serves its 256 blocks; this process fetches them into a
-real KvCacheManager. Otherwise recompute time comes from ``kvmesh.costmodel.PROFILES['cpu-tiny']``.
+real KvCacheManager. Otherwise recompute time comes from ``kvmesh_core.costmodel.PROFILES['cpu-tiny']``.
 
 ``--json``: the last stdout line is one JSON object (``gbps``, ``raw_gbps``, ``p50_ms``, ``p99_ms`` keyed
 by size in MiB as strings; ``fraction_of_raw_ceiling_256MiB``; ``fetch_vs_recompute_speedup_4k``).
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from kvmesh.costmodel import PROFILES, recompute_ms
+from kvmesh_core.costmodel import PROFILES, recompute_ms
 from services.worker.kv_layout import BlockLayout
 from services.worker.transfer import sockets as transfer_sockets
 
@@ -260,7 +260,7 @@ async def _speedup(client: Any, info: dict[str, Any]) -> dict[str, Any]:
             await client.fetch(info["blocks"], list(range(1, n_blocks + 1)), 0, NAMESPACE, staging)
             best = min(best, time.perf_counter() - t0)
         recompute = recompute_ms(PROFILES["cpu-tiny"], PREFIX_TOKENS)
-        source = "recompute from kvmesh.costmodel.PROFILES['cpu-tiny'] (no engine); fetch measured"
+        source = "recompute from kvmesh_core.costmodel.PROFILES['cpu-tiny'] (no engine); fetch measured"
     fetch_ms = best * 1e3
     return {
         "fetch_vs_recompute_speedup_4k": recompute / fetch_ms,

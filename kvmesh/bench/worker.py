@@ -11,7 +11,7 @@ on a local model directory (``kvmesh model init DIR`` writes a small one).
 
 With ``--json`` the last stdout line is one JSON object: ``ttft_ms[length][cached_pct]``,
 ``ttft_ratio_90pct_cached_4k``, decode tokens/s and the measured ``profile`` (readable by
-``kvmesh.costmodel.load_profile``).
+``kvmesh_core.costmodel.load_profile``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Errors of the replay tools."""
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 
 
 class ReplayError(KvmeshError):

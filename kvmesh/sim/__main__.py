@@ -26,7 +26,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvmesh.costmodel import load_profile
 from kvmesh.sim.bound import bound_summary, bound_ttfts_s
 from kvmesh.sim.engine import SimConfig, SimResult, simulate
 from kvmesh.sim.errors import SimError
@@ -42,6 +41,7 @@ from kvmesh.workloads import (
     shared_prefix,
     trace_requests,
 )
+from kvmesh_core.costmodel import load_profile
 from schemas.messages import ChatRequest
 from services.scheduler.router import POLICIES
 

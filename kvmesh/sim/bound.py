@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.costmodel import PerfProfile, recompute_ms
 from kvmesh.sim.truth import TruthScale
+from kvmesh_core.costmodel import PerfProfile, recompute_ms
 from schemas.messages import ChatRequest
 from schemas.token_ids import int_list
 

@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.costmodel import PerfProfile
 from kvmesh.sim.cache import FleetHolders
 from kvmesh.sim.errors import SimError
 from kvmesh.sim.events import EventQueue
 from kvmesh.sim.metrics import RequestRecord, summarize
 from kvmesh.sim.truth import TruthScale
 from kvmesh.sim.worker import Job, SimWorker
+from kvmesh_core.costmodel import PerfProfile
 from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.fairness import FairDispatcher
 from services.scheduler.router import POLICIES, Router, RouterSettings

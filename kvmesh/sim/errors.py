@@ -1,6 +1,6 @@
 """Errors of the simulator."""
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 
 
 class SimError(KvmeshError):

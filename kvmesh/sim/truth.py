@@ -20,8 +20,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from kvmesh.costmodel import PerfProfile
 from kvmesh.sim.errors import SimError
+from kvmesh_core.costmodel import PerfProfile
 
 _KEYS = ("prefill", "decode", "link", "tier", "noise", "seed")
 

@@ -12,7 +12,7 @@ prefill + decode steps::
 Like the live worker (services/worker/service.py), a fetch happens when the assignment arrives, before
 the request joins the engine's queue, and only extends the prefix the worker already holds; pulls of one
 worker share its link one at a time, while its GPU keeps computing. A pull costs what
-``kvmesh.costmodel.fetch_ms`` says: the peer reads blocks held in its lower tiers, the link carries
+``kvmesh_core.costmodel.fetch_ms`` says: the peer reads blocks held in its lower tiers, the link carries
 them, they land in the DRAM tier (GPU without one) and the prefill promotes them. The worker serves what
 it really holds, not what the scheduler believed: a planned block the peer no longer has ends the pull
 there, and the prefill reuses the longest local prefix at the time it starts and recomputes the rest.
@@ -27,10 +27,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.costmodel import PerfProfile, decode_ms, prefill_ctx, promote_ms, recompute_ms, transfer_ms
 from kvmesh.sim.cache import Change, FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
 from kvmesh.sim.truth import TruthScale
+from kvmesh_core.costmodel import PerfProfile, decode_ms, prefill_ctx, promote_ms, recompute_ms, transfer_ms
 from schemas.messages import (
     TIERS,
     Assignment,

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     from pydantic_settings import SettingsError
 
-    from kvmesh.runtime import configure_logging, load_settings
+    from kvmesh_core.runtime import configure_logging, load_settings
     from services.intake.app import create_app
     from services.intake.config import IntakeSettings
 

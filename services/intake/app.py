@@ -10,8 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmesh.runtime import tune_gc
-from kvmesh.tokenizer import Tokenizer
+from kvmesh_core.runtime import tune_gc
+from kvmesh_core.tokenizer import Tokenizer
 from services.intake.config import IntakeSettings
 from services.intake.errors import IntakeError
 from services.intake.routes import ROUTERS
@@ -26,7 +26,7 @@ def create_app(
 ) -> FastAPI:
     """An intake app; its lifespan starts an :class:`IntakeService` (Kafka) and stops it at shutdown.
 
-    ``tune_gc_on_start``: once started, apply kvmesh.runtime.tune_gc, as every kvmesh service process
+    ``tune_gc_on_start``: once started, apply kvmesh_core.runtime.tune_gc, as every kvmesh service process
     does (``kvmesh intake`` sets it; an app embedded in another process, or in tests, leaves the
     process's collector alone).
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.runtime import ShellSettings
+from kvmesh_core.runtime import ShellSettings
 from schemas.blocks import DEFAULT_BLOCK_SIZE
 from streams.settings import KafkaSettings
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 
 
 class IntakeError(KvmeshError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from kvmesh.text_stream import TextStream
+from kvmesh_core.text_stream import TextStream
 from schemas.messages import Completion, TokenChunk, TokenLogprob
 from services.intake.errors import IntakeError, ServiceUnavailable, UpstreamFailed, UpstreamTimeout
 from services.intake.replies import completion_error

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvmesh.tokenizer import Tokenizer
+from kvmesh_core.tokenizer import Tokenizer
 from schemas.messages import Completion, TokenLogprob
 from services.intake.generation import ChoiceResult
 

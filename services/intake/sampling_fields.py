@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvmesh.tokenizer import Tokenizer
+from kvmesh_core.tokenizer import Tokenizer
 from schemas.messages import ChatRequest, StructuredOutput
 from services.intake.errors import InvalidRequest
 from services.intake.openai_models import ResponseFormat

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from types import TracebackType
 
-from kvmesh.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
+from kvmesh_core.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
 from schemas.errors import RecordTooLarge, SchemaError
 from schemas.messages import BASE_FEATURES, ChatRequest, SamplingParams, StructuredOutput
 from schemas.report_signing import ReportCheck

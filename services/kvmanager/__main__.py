@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from kvmesh.runtime import run_service
+from kvmesh_core.runtime import run_service
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.service import KvManagerService
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.runtime import ShellSettings
+from kvmesh_core.runtime import ShellSettings
 from streams.settings import KafkaSettings, RedisSettings
 
 

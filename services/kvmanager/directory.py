@@ -9,21 +9,7 @@ these offsets, applied"::
                                                      holders / wrk / workers / offsets /
                                                      seqs / stats / version (INCR)
 
-Redis layout (block hashes and offsets as decimal strings):
-
-=========================  ======  ==================================================================
-key                        type    content
-=========================  ======  ==================================================================
-``kvm:holders``            hash    block hash → ``"{parent}|{worker}={tier}:{last_ms},…"`` (entries by
-                                   worker id; ``{parent}|`` absent when no event named the parent;
-                                   parent 0 for a first block)
-``kvm:wrk:{worker}``       set     block hashes the worker holds
-``kvm:workers``            hash    worker → JSON info (last_seen_ms, transfer_address, tiers, …)
-``kvm:offsets``            hash    ``"{topic}:{partition}"`` → next offset to consume
-``kvm:seqs``               hash    ``"{topic}:{partition}:{producer}"`` → last applied envelope seq
-``kvm:stats``              hash    counters (lookups, hit_blocks, miss_blocks, events, blocks_applied)
-``kvm:version``            string  incremented by every flush (readers WATCH it for a consistent read)
-=========================  ======  ==================================================================
+Redis layout: see :mod:`services.fleet_directory.layout`.
 
 Invariants: ``kvm:holders[h]`` exists iff some worker holds the block; ``h ∈ kvm:wrk:{w}`` iff ``w``
 is one of its entries. The number of copies of a block is the number of its entries (one HMGET, see
@@ -53,73 +39,17 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas.messages import ChatRequest, KvEvent, LoadReport
 from schemas.token_ids import int_list
+from services.fleet_directory.layout import (
+    APPLY_LUA,
+    REDIS_DOWN_ERRORS,
+    VERSION_KEY,
+    valid_worker_id,
+)
 
 log = logging.getLogger(__name__)
-
-HOLDERS_KEY = "kvm:holders"
-WORKER_PREFIX = "kvm:wrk:"
-WORKERS_KEY = "kvm:workers"
-OFFSETS_KEY = "kvm:offsets"
-SEQS_KEY = "kvm:seqs"
-STATS_KEY = "kvm:stats"
-VERSION_KEY = "kvm:version"
-
-#: Applies one flush atomically inside Redis. ARGV[1] is a MessagePack map of flat lists (see
-#: ``Directory._payload``); one call replaces tens of thousands of pipelined commands, whose
-#: client-side encoding and reply parsing would otherwise dominate the manager's time.
-APPLY_LUA = """
-local p = cmsgpack.unpack(ARGV[1])
-local STEP = 1000
-local function chunked(cmd, key, list, width)
-  local n = #list
-  local i = 1
-  while i <= n do
-    local j = math.min(i + STEP * width - 1, n)
-    redis.call(cmd, key, unpack(list, i, j))
-    i = j + 1
-  end
-end
-local function each_key(cmd, list)
-  local i = 1
-  while i <= #list do
-    local j = math.min(i + STEP - 1, #list)
-    redis.call(cmd, unpack(list, i, j))
-    i = j + 1
-  end
-end
-each_key('UNLINK', p.unlink)
-chunked('HSET', 'kvm:holders', p.hs, 2)
-chunked('HDEL', 'kvm:holders', p.hd, 1)
-for _, w in ipairs(p.wx) do redis.call('DEL', 'kvm:wrk:' .. w) end
-for w, m in pairs(p.wa) do chunked('SADD', 'kvm:wrk:' .. w, m, 1) end
-for w, m in pairs(p.wr) do chunked('SREM', 'kvm:wrk:' .. w, m, 1) end
-chunked('HSET', 'kvm:workers', p['is'], 2)
-chunked('HDEL', 'kvm:workers', p.id, 1)
-chunked('HSET', 'kvm:offsets', p.os, 2)
-chunked('HSET', 'kvm:seqs', p.ss, 2)
-chunked('HSET', 'kvm:stats', p.st, 2)
-return redis.call('INCR', 'kvm:version')
-"""
-
-#: Errors that mean "Redis is not reachable right now" (as opposed to a bug in a command).
-REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
-
-
-def worker_key(worker_id: str) -> str:
-    return f"{WORKER_PREFIX}{worker_id}"
-
-
-def encode_holders(holders: dict[str, tuple[str, int]]) -> str:
-    """``{"w1": ("gpu", 5)}`` → ``"w1=gpu:5"`` (entries by worker id, joined by commas)."""
-    if len(holders) == 1:  # the common case, without the sort
-        for w, (t, ms) in holders.items():
-            return f"{w}={t}:{ms}"
-    return ",".join(f"{w}={t}:{ms}" for w, (t, ms) in sorted(holders.items()))
 
 
 #: The holders of one block in memory: ``((worker, tier, last_ms), ...)`` sorted by worker id.
@@ -163,36 +93,6 @@ def _with_holder(entries: Holders, worker: str, tier: str, when: int) -> Holders
 
 def _entries_of(holders: dict[str, tuple[str, int]]) -> Holders:
     return tuple(sorted((w, t, ms) for w, (t, ms) in holders.items()))
-
-
-def split_holders_value(value: str) -> tuple[int | None, str]:
-    """A ``kvm:holders`` value → (parent hash or None, the entries part)."""
-    parent, sep, entries = value.partition("|")
-    if not sep:
-        return None, value
-    return int(parent), entries
-
-
-def count_holders(value: str) -> int:
-    """The number of workers in a ``kvm:holders`` value (0 for an empty one)."""
-    entries = value.rpartition("|")[2]
-    return entries.count(",") + 1 if entries else 0
-
-
-def decode_holders(value: str) -> dict[str, tuple[str, int]]:
-    """The entries of a ``kvm:holders`` value (its parent prefix, if any, is skipped)."""
-    out: dict[str, tuple[str, int]] = {}
-    for entry in value.rpartition("|")[2].split(","):
-        if not entry:
-            continue
-        w, _, rest = entry.partition("=")
-        tier, _, last = rest.partition(":")
-        out[w] = (tier, int(last or 0))
-    return out
-
-
-def valid_worker_id(worker_id: str) -> bool:
-    return bool(worker_id) and not any(c in worker_id for c in ",=:|")
 
 
 def worker_info(report: LoadReport) -> dict[str, Any]:
@@ -650,7 +550,7 @@ class Directory:
 
     async def load(self, client: aioredis.Redis) -> None:
         """Rebuild the in-memory directory from Redis (cold start after a restart of the manager)."""
-        from services.kvmanager.snapshot import read_raw
+        from services.fleet_directory.snapshot import read_raw
 
         raw = await read_raw(client)
         self.__init__()  # type: ignore[misc]  # reset every field before filling it

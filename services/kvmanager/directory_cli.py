@@ -14,11 +14,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from kvmesh.tokenizer import ChatMessage, load_tokenizer, render_chat
+from kvmesh_core.tokenizer import ChatMessage, load_tokenizer, render_chat
 from schemas.blocks import DEFAULT_BLOCK_SIZE, block_hashes, tenant_namespace
+from services.fleet_directory.layout import STATS_KEY
+from services.fleet_directory.snapshot import DirectorySnapshot, read_snapshot
 from services.kvmanager.config import KvManagerSettings
-from services.kvmanager.directory import STATS_KEY
-from services.kvmanager.snapshot import DirectorySnapshot, read_snapshot
 from streams.settings import RedisSettings
 
 

@@ -28,12 +28,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from kvmesh.runtime import rolled_back_on_failure
+from kvmesh_core.runtime import rolled_back_on_failure
 from schemas.kv_sequence import KvSequence
 from schemas.messages import ChatRequest, KvEvent, LoadReport, ReplicateCommand, ResyncRequest
 from schemas.report_signing import ReportCheck
+from services.fleet_directory.layout import REDIS_DOWN_ERRORS
 from services.kvmanager.config import KvManagerSettings
-from services.kvmanager.directory import REDIS_DOWN_ERRORS, Directory, PendingFlush
+from services.kvmanager.directory import Directory, PendingFlush
 from services.kvmanager.liveness import liveness_now, lost_workers, worker_lost_message
 from services.kvmanager.metrics import KvManagerMetrics
 from services.kvmanager.placement import PlacementConfig, PlacementEngine

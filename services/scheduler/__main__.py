@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from kvmesh.runtime import run_service
+from kvmesh_core.runtime import run_service
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.service import SchedulerService
 

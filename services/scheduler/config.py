@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.runtime import ShellSettings
+from kvmesh_core.runtime import ShellSettings
 from services.scheduler.registry import POLICIES
 from services.scheduler.router import RouterSettings
 from services.scheduler.view import ViewSettings

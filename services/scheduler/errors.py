@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 
 
 class SchedulerError(KvmeshError):

@@ -3,11 +3,11 @@
 Every policy returns scored candidates, the chosen one first. Scores come from one estimator,
 :func:`score_worker`, which prices a request on a worker with the shared cost model::
 
-    ttft = queue wait          (report's queued prefill + own pending assignments, kvmesh.costmodel)
+    ttft = queue wait          (report's queued prefill + own pending assignments, kvmesh_core.costmodel)
          + promotion           (cached blocks sitting in dram/disk brought back to the GPU)
          + peer fetch          (blocks a peer holds past the local prefix, only if fetch beats recompute:
                                 the peer's lower-tier reads, the link, the promotion of the landed
-                                blocks; kvmesh.costmodel.fetch_ms)
+                                blocks; kvmesh_core.costmodel.fetch_ms)
          + recompute           (every token after the reused/fetched blocks)
 
 ``kvmesh`` picks the least ttft plus the work it adds to the fleet (below), ties by the active tokens
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.costmodel import fetch_ms, promote_ms, recompute_ms
+from kvmesh_core.costmodel import fetch_ms, promote_ms, recompute_ms
 from schemas.messages import ChatRequest
 from services.scheduler.view import FleetView, WorkerState
 

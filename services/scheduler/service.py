@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvmesh.runtime import rolled_back_on_failure
+from kvmesh_core.runtime import rolled_back_on_failure
 from schemas.messages import (
     Assignment,
     CancelRequest,
@@ -216,7 +216,7 @@ class SchedulerService:
         own = self._redis is None
         client = self._redis
         try:
-            from services.kvmanager.snapshot import read_snapshot
+            from services.fleet_directory.snapshot import read_snapshot
 
             if client is None:
                 import redis.asyncio as aioredis

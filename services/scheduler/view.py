@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.costmodel import PerfProfile, decode_ms, queued_prefill_ms, recompute_ms
+from kvmesh_core.costmodel import PerfProfile, decode_ms, queued_prefill_ms, recompute_ms
 from schemas.kv_sequence import KvSequence
 from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.prefix_index import PrefixIndex

@@ -10,7 +10,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvmesh.runtime import run_service
+    from kvmesh_core.runtime import run_service
     from services.worker.config import WorkerSettings
     from services.worker.errors import ModelConfigError
     from services.worker.service import WorkerService

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from kvmesh.runtime import ShellSettings
+from kvmesh_core.runtime import ShellSettings
 from services.worker.errors import ModelConfigError
 from services.worker.model_configs import MODEL_CONFIGS
 from streams.settings import KafkaSettings

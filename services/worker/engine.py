@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvmesh.costmodel import PerfProfile, prefill_ctx
-from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvmesh_core.costmodel import PerfProfile, prefill_ctx
+from kvmesh_core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import BASE_FEATURES, KvEvent, TokenLogprob
 from services.worker.calibration import calibration_lengths, fit_prefill_cost

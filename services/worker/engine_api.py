@@ -34,8 +34,8 @@ from schemas.messages import KvEvent, SamplingParams, TierUsage, TokenLogprob
 from services.worker.errors import RequestRejected
 
 if TYPE_CHECKING:
-    from kvmesh.costmodel import PerfProfile
-    from kvmesh.tokenizer import Tokenizer
+    from kvmesh_core.costmodel import PerfProfile
+    from kvmesh_core.tokenizer import Tokenizer
     from services.worker.kv_layout import BlockSink, BlockSource
 
 __all__ = [
@@ -129,7 +129,7 @@ class EngineLoad:
     active_tokens: int
     queued_prefill_tokens: int
     tiers: list[TierUsage]
-    # sum of kvmesh.costmodel.prefill_ctx over the queued prompts (0: unknown)
+    # sum of kvmesh_core.costmodel.prefill_ctx over the queued prompts (0: unknown)
     queued_prefill_ctx_tokens: float = 0.0
 
 

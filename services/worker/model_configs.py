@@ -1,7 +1,7 @@
 """Model shapes: one config dataclass with derived fields, and a registry of named sizes.
 
 ``tiny`` is the default of development and CI (fast on 2 CPU cores, vocabulary sized for
-:class:`kvmesh.tokenizer.ByteTokenizer`); ``small`` is bigger, for benchmarks.
+:class:`kvmesh_core.tokenizer.ByteTokenizer`); ``small`` is bigger, for benchmarks.
 """
 
 from __future__ import annotations

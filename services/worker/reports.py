@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from schemas.messages import ChatRequest, Completion, LoadReport
 
 if TYPE_CHECKING:
-    from kvmesh.costmodel import PerfProfile
-    from kvmesh.text_stream import TextStream
-    from kvmesh.tokenizer import Tokenizer
+    from kvmesh_core.costmodel import PerfProfile
+    from kvmesh_core.text_stream import TextStream
+    from kvmesh_core.tokenizer import Tokenizer
     from services.worker.engine_api import EngineLoad, RequestStats
 
 

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from kvmesh.costmodel import fetch_beats_recompute
-from kvmesh.runtime import rolled_back_on_failure
-from kvmesh.text_stream import TextStream
+from kvmesh_core.costmodel import fetch_beats_recompute
+from kvmesh_core.runtime import rolled_back_on_failure
+from kvmesh_core.text_stream import TextStream
 from schemas.messages import (
     Assignment,
     CancelRequest,
@@ -65,7 +65,7 @@ from streams.consumer_metrics import ConsumerCollector
 from streams.producer import TypedProducer, partition_for
 
 if TYPE_CHECKING:
-    from kvmesh.costmodel import PerfProfile
+    from kvmesh_core.costmodel import PerfProfile
     from services.worker.transfer import BlockClient, BlockServer
 
 #: How many admitted request ids a worker remembers to refuse a second Assignment of the same id

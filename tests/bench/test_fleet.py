@@ -14,9 +14,9 @@ import pytest
 from kvmesh.bench import fleet
 from kvmesh.bench.fleet import PolicyRun, StackOptions, TurnRecord, summarize_live, union_length
 from kvmesh.bench.fleet_workloads import mooncake_live, multiturn_live, sim_requests
-from kvmesh.costmodel import PROFILES
 from kvmesh.sim.engine import SimConfig, simulate
 from kvmesh.workloads import MultiTurnSpec
+from kvmesh_core.costmodel import PROFILES
 
 # --------------------------------------------------------------------------------- synthetic records
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvmesh.devstack import DevStack, DevStackSettings
-from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
+from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import SamplingParams
 from services.worker.engine import Engine, EngineConfig, EngineRequest

@@ -23,7 +23,7 @@ from vllm_helpers import llm_generate
 
 from kvmesh.devstack import DevStack, DevStackSettings
 from kvmesh.modeldir import init_model_dir
-from kvmesh.tokenizer import ChatMessage, HFTokenizer, render_chat
+from kvmesh_core.tokenizer import ChatMessage, HFTokenizer, render_chat
 from schemas.messages import Completion
 from streams import topics
 from streams.consumer import TypedConsumer

@@ -29,7 +29,7 @@ from fleet_helpers import read_topic
 
 from kvmesh.devstack import DevStack, DevStackSettings
 from kvmesh.modeldir import init_model_dir
-from kvmesh.tokenizer import ChatMessage, HFTokenizer, render_chat
+from kvmesh_core.tokenizer import ChatMessage, HFTokenizer, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import Completion, KvEvent, LoadReport
 from services.scheduler.view import FleetView

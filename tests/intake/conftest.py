@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvmesh.tokenizer import ByteTokenizer
+from kvmesh_core.tokenizer import ByteTokenizer
 from schemas.messages import CancelRequest, ChatRequest, Completion, TokenChunk
 from services.intake.app import create_app
 from services.intake.config import IntakeSettings

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from conftest import ECHO_WORKER, EchoWorker
 
-from kvmesh.tokenizer import ByteTokenizer, ChatMessage
+from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage
 from schemas.messages import TokenChunk
 from streams.client import KvmeshClient
 from streams.settings import KafkaSettings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
+from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import PUBLIC_NAMESPACE, block_hashes, tenant_namespace
 from schemas.messages import Completion, KvEvent, TokenChunk
 from streams.client import ClientError, KvmeshClient, ReplyRouter, RequestClosed, RequestHandle

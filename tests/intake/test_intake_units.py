@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.cli import COMMANDS
-from kvmesh.text_stream import TextStream
-from kvmesh.tokenizer import ByteTokenizer
+from kvmesh_core.text_stream import TextStream
+from kvmesh_core.tokenizer import ByteTokenizer
 from schemas.messages import Completion
 from services.intake.auth import DEV_TENANT, ApiKeyTable, parse_key_spec
 from services.intake.config import IntakeSettings

@@ -8,15 +8,15 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
-from services.kvmanager.directory import (
+from services.fleet_directory.layout import (
     HOLDERS_KEY,
-    Directory,
     count_holders,
     decode_holders,
     split_holders_value,
     worker_key,
 )
-from services.kvmanager.snapshot import fleet_copies, read_raw, read_snapshot
+from services.fleet_directory.snapshot import fleet_copies, read_raw, read_snapshot
+from services.kvmanager.directory import Directory
 from streams.topics import KV_EVENTS, LOAD
 
 from .helpers import cleared, feed, load, moved, removed, stored

@@ -8,7 +8,7 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
-from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
+from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
 from services.kvmanager import directory_cli
 from services.kvmanager.directory import Directory

@@ -15,10 +15,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from schemas.messages import KvEvent, LoadReport, WorkerLost
+from services.fleet_directory.snapshot import DirectorySnapshot, read_snapshot
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import Directory
 from services.kvmanager.service import KvManagerService
-from services.kvmanager.snapshot import DirectorySnapshot, read_snapshot
 from streams.consumer import TypedConsumer
 from streams.producer import TypedProducer
 from streams.topics import CONTROL, KV_EVENTS, LOAD, REQUESTS

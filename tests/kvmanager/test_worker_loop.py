@@ -15,9 +15,9 @@ from fleet_helpers import BS, NS, block_tokens, chat_request, wait_for
 
 from schemas.blocks import block_hashes
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate
+from services.fleet_directory.snapshot import read_snapshot
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.service import KvManagerService
-from services.kvmanager.snapshot import read_snapshot
 from services.worker.config import WorkerSettings
 from services.worker.service import WorkerService
 from streams import topics

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmesh.costmodel import PROFILES
 from kvmesh.replay import record
 from kvmesh.replay.__main__ import main as replay_main
 from kvmesh.workloads import make_request
+from kvmesh_core.costmodel import PROFILES
 from schemas.messages import KvEvent, LoadReport, TierUsage
 from services.scheduler.router import Router, RouterSettings
 from services.scheduler.view import FleetView

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.costmodel import PROFILES
 from kvmesh.replay.__main__ import main
 from kvmesh.replay.replayer import read_window, replay
 from kvmesh.sim.engine import SimConfig, simulate
 from kvmesh.sim.recorder import SimRecorder
 from kvmesh.workloads import MultiTurnSpec, make_request, multiturn
+from kvmesh_core.costmodel import PROFILES
 from schemas.codec import encode
 from schemas.messages import KvEvent, LoadReport, TierUsage
 from services.scheduler.router import Router, RouterSettings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.costmodel import PROFILES
+from kvmesh_core.costmodel import PROFILES
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import ChatRequest, KvEvent, LoadReport, TierUsage
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from schemas.messages import Assignment, CancelRequest, Completion, KvEvent
-from services.kvmanager.snapshot import DirectorySnapshot
+from services.fleet_directory.snapshot import DirectorySnapshot
 from services.scheduler.config import SchedulerSettings
 from services.scheduler.service import SchedulerService
 from streams.clock import now_ms
@@ -119,7 +119,7 @@ async def test_restart_from_snapshot_reaches_same_view(
         async def fake_read_snapshot(_client: Any) -> DirectorySnapshot:
             return snap
 
-        monkeypatch.setattr("services.kvmanager.snapshot.read_snapshot", fake_read_snapshot)
+        monkeypatch.setattr("services.fleet_directory.snapshot.read_snapshot", fake_read_snapshot)
         restarted = SchedulerService(settings(kafka_settings, use_snapshot=True), redis_client=object())
         never_stopped = SchedulerService(settings(kafka_settings, scheduler_id="scheduler-1"))
         async with restarted, never_stopped:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.costmodel import recompute_ms
+from kvmesh_core.costmodel import recompute_ms
 from schemas.messages import Completion
 from services.scheduler.router import Router, RouterSettings
 from services.scheduler.view import FleetView, ViewSettings

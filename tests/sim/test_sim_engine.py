@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from sim_helpers import tiny_trace
 
-from kvmesh.costmodel import PROFILES
 from kvmesh.sim.__main__ import main
 from kvmesh.sim.engine import SimConfig, profile_for_block_size, simulate
 from kvmesh.sim.errors import SimError
 from kvmesh.workloads import MultiTurnSpec, multiturn
+from kvmesh_core.costmodel import PROFILES
 
 PROFILE = PROFILES["h100-llama3-8b"]
 # Long private histories, a short shared system prompt: reuse depends on routing turns to their cache.

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvmesh.costmodel import PROFILES, recompute_ms
 from kvmesh.sim.worker import SimWorker
+from kvmesh_core.costmodel import PROFILES, recompute_ms
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent
 
 BS = 16
@@ -85,7 +85,7 @@ def test_second_turn_reuses_local_blocks() -> None:
 
 
 def test_fetch_reads_peer_lower_tiers_lands_in_dram_and_is_promoted_at_prefill() -> None:
-    from kvmesh.costmodel import promote_ms, transfer_ms
+    from kvmesh_core.costmodel import promote_ms, transfer_ms
 
     tiered = dataclasses.replace(PROFILE, dram_blocks=64)
     h = _Harness()

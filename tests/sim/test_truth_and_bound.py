@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from sim_helpers import tiny_trace
 
-from kvmesh.costmodel import PROFILES, recompute_ms
 from kvmesh.sim.__main__ import main
 from kvmesh.sim.bound import bound_ttfts_s
 from kvmesh.sim.engine import SimConfig, simulate
@@ -18,6 +17,7 @@ from kvmesh.sim.errors import SimError
 from kvmesh.sim.peer_goal import peer_goal
 from kvmesh.sim.truth import TruthScale
 from kvmesh.workloads import trace_requests
+from kvmesh_core.costmodel import PROFILES, recompute_ms
 
 PROFILE = PROFILES["h100-llama3-8b"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.costmodel import recompute_ms
+from kvmesh_core.costmodel import recompute_ms
 from services.worker.calibration import fit_prefill_cost
 from services.worker.engine import Engine, EngineConfig
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
+from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent, LoadReport
 from services.worker.config import WorkerSettings

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvmesh.modeldir import init_model_dir
-from kvmesh.tokenizer import ChatMessage, render_chat
+from kvmesh_core.tokenizer import ChatMessage, render_chat
 from schemas.blocks import ROOT_HASH, block_hashes, tenant_namespace
 from services.worker.engine_api import EngineRequest, RequestStats
 from services.worker.transfer import BlockClient, BlockServer

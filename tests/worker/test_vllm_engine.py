@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from vllm_helpers import llm_generate
 
 from kvmesh.modeldir import init_model_dir
-from kvmesh.tokenizer import ChatMessage, render_chat, render_history
+from kvmesh_core.tokenizer import ChatMessage, render_chat, render_history
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import SamplingParams
 from services.worker.engine_api import EngineRequest, StepOutput

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.tokenizer import ByteTokenizer, ChatMessage, render_chat
+from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes
 from schemas.messages import SamplingParams
 from services.worker import engine as engine_mod

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from kvmesh.tokenizer import Tokenizer
+from kvmesh_core.tokenizer import Tokenizer
 from services.intake.generation import ChoiceResult, Delta
 from services.intake.openai_format import (
     chat_chunk,

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from kvmesh.tokenizer import ChatMessage, render_chat
+from kvmesh_core.tokenizer import ChatMessage, render_chat
 from services.intake.errors import InvalidRequest, ModelNotFound
 from services.intake.openai_models import Message
 from services.intake.request_body import parse_body

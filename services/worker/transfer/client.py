@@ -22,7 +22,7 @@ from enum import StrEnum
 
 import xxhash
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 from services.worker.kv_layout import BlockSink
 from services.worker.transfer import sockets
 from services.worker.transfer.auth import new_nonce, resolve_secret, sign

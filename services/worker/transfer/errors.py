@@ -8,7 +8,7 @@ the frame reader to the place that turns it into a result.
 
 from __future__ import annotations
 
-from kvmesh.errors import KvmeshError
+from kvmesh_core.errors import KvmeshError
 
 
 class TransferError(KvmeshError):

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.costmodel import PerfProfile, prefill_ctx
-from kvmesh.tokenizer import HFTokenizer
+from kvmesh_core.costmodel import PerfProfile, prefill_ctx
+from kvmesh_core.tokenizer import HFTokenizer
 from schemas.messages import (
     BASE_FEATURES,
     OPTIONAL_FEATURES,
@@ -326,7 +326,7 @@ class VllmEngine:
             # Repeatable per request id, as the built-in engine: a replayed request samples alike.
             seed = (self.cfg.seed << 32) ^ zlib.crc32(rid.encode())
         # Stop strings are not vLLM's to match: the worker service runs the one rule every engine
-        # shares (kvmesh.text_stream) and aborts the request when it matches. The request's end tokens
+        # shares (kvmesh_core.text_stream) and aborts the request when it matches. The request's end tokens
         # are its stop_token_ids, which ignore_eos turns off like vLLM's own EOS.
         params = SamplingParams(
             n=1,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.tokenizer import Tokenizer
+from kvmesh_core.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

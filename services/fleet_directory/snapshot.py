@@ -18,7 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from services.kvmanager.directory import (
+from services.fleet_directory.layout import (
     HOLDERS_KEY,
     OFFSETS_KEY,
     SEQS_KEY,

@@ -47,6 +47,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvmesh.devstack import DevStack, DevStackSettings
+from kvmesh.percentiles import percentile
 
 log = logging.getLogger("kvmesh.bench.chaos")
 
@@ -245,16 +246,9 @@ def duplicates(stack: DevStack) -> tuple[list[tuple[str, list[str]]], int]:
     return asyncio.run(read())
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
-
-
 def summarize(phase: Phase) -> dict[str, Any]:
     ttft = [o.ttft_s * 1000 for o in phase.outcomes if o.ttft_s is not None and o.kind == "completed"]
-    p50, p99 = percentile(ttft, 50), percentile(ttft, 99)
+    p50, p99 = percentile(ttft, 50, None), percentile(ttft, 99, None)
     return {
         "ttft_p50_ms": None if p50 is None else round(p50, 1),
         "ttft_p99_ms": None if p99 is None else round(p99, 1),

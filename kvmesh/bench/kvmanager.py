@@ -32,10 +32,10 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 import redis.asyncio as aioredis
 from tqdm import tqdm
 
+from kvmesh.percentiles import percentile
 from kvmesh_core.runtime import GC_GEN0_THRESHOLD, tune_gc
 from schemas.messages import KvEvent
 from services.kvmanager.config import KvManagerSettings
@@ -93,10 +93,6 @@ class EventMaker:
         self.next_hash += self.n
         runs.append(run)  # tuples of ints: the collector does not track them (see Directory)
         return KvEvent(w, "stored", "gpu", list(run), [0, *run[:-1]], event_ms=now_ms())
-
-
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else 0.0
 
 
 async def apply_flush_only(redis: RedisSettings, events: list[KvEvent]) -> float:

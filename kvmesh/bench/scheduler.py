@@ -29,6 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvmesh.percentiles import percentile
 from kvmesh_core.costmodel import PROFILES
 from schemas.messages import ChatRequest, LoadReport, TierUsage
 from services.scheduler.prefix_index import PrefixIndex
@@ -98,11 +99,6 @@ def _requests(chains: list, n: int, t0: int, rng: random.Random) -> list[ChatReq
     return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def bench_fleet(n_workers: int, n_blocks: int, n_decisions: int, chain: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     workers = [f"w-{i}" for i in range(n_workers)]
@@ -140,11 +136,11 @@ def bench_fleet(n_workers: int, n_blocks: int, n_decisions: int, chain: int, see
         "workers": n_workers,
         "blocks": len(view.index),
         "entries": view.index.entries,
-        "p50_us": _pct(lat_us, 0.50),
-        "p99_us": _pct(lat_us, 0.99),
+        "p50_us": percentile(lat_us, 50),
+        "p99_us": percentile(lat_us, 99),
         "mean_us": sum(lat_us) / len(lat_us),
-        "cpu_p50_us": _pct(cpu_us, 0.50),
-        "cpu_p99_us": _pct(cpu_us, 0.99),
+        "cpu_p50_us": percentile(cpu_us, 50),
+        "cpu_p99_us": percentile(cpu_us, 99),
         "decisions_per_s": n_decisions / wall,
         "bytes_per_entry": view.index.bytes_per_entry(),
     }

@@ -35,6 +35,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
+from kvmesh.percentiles import percentile
 from kvmesh_core.runtime import GC_GEN0_THRESHOLD, tune_gc
 from schemas.blocks import block_hashes
 from schemas.codec import decode, encode
@@ -62,13 +63,6 @@ def _request(i: int, tokens: list[int], hashes: list[int]) -> ChatRequest:
         max_tokens=64,
         arrival_ms=1_700_000_000_000 + i,
     )
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 class _Client:
@@ -250,8 +244,8 @@ async def _run(args: argparse.Namespace, bootstrap: str) -> dict[str, Any]:
             finally:
                 await client.stop()
             prefix = "" if label == "typed" else "raw_"
-            results[f"{prefix}p50_ms"] = _pct(lat, 0.50)
-            results[f"{prefix}p99_ms"] = _pct(lat, 0.99)
+            results[f"{prefix}p50_ms"] = percentile(lat, 50, float("nan"))
+            results[f"{prefix}p99_ms"] = percentile(lat, 99, float("nan"))
             results[f"{prefix}mean_ms"] = statistics.fmean(lat) if lat else float("nan")
     for label in ("raw", "typed"):
         results[f"{label}_msgs_per_s"] = statistics.median(rates[label])

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from kvmesh.percentiles import percentile
 from kvmesh_core.costmodel import PROFILES, recompute_ms
 from services.worker.kv_layout import BlockLayout
 from services.worker.transfer import sockets as transfer_sockets
@@ -187,11 +188,6 @@ def _raw_fetch(address: str, buf: memoryview, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-
 async def _run(info: dict[str, Any], sizes: list[int], rounds: dict[int, int]) -> dict[str, Any]:
     from services.worker.transfer import BlockClient, TransferMetrics
 
@@ -225,9 +221,9 @@ async def _run(info: dict[str, Any], sizes: list[int], rounds: dict[int, int]) -
             key = str(size)
             out["gbps"][key] = n * nb / statistics.median(fetch_s) / 1e9
             out["raw_gbps"][key] = n * nb / statistics.median(raw_s) / 1e9
-            out["p50_ms"][key] = _pct(fetch_s, 0.5) * 1e3
-            out["p99_ms"][key] = _pct(fetch_s, 0.99) * 1e3
-            out["raw_p50_ms"][key] = _pct(raw_s, 0.5) * 1e3
+            out["p50_ms"][key] = percentile(fetch_s, 50) * 1e3
+            out["p99_ms"][key] = percentile(fetch_s, 99) * 1e3
+            out["raw_p50_ms"][key] = percentile(raw_s, 50) * 1e3
     if "256" in out["gbps"]:
         out["fraction_of_raw_ceiling_256MiB"] = out["gbps"]["256"] / out["raw_gbps"]["256"]
     out["metrics"] = metrics.snapshot()

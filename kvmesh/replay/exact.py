@@ -35,6 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmesh.percentiles import percentile
 from kvmesh.replay.errors import ReplayError
 from kvmesh.replay.report_check import env_report_check
 from schemas.codec import decode
@@ -169,10 +170,9 @@ class ExactReport:
         lags = sorted(d.lag_ms for d in self.decisions if d.reproducible)
         if not lags:
             return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "stale_decisions": 0}
-        pick = lambda q: float(lags[min(int(q * len(lags)), len(lags) - 1)])  # noqa: E731
         return {
-            "p50_ms": pick(0.5),
-            "p99_ms": pick(0.99),
+            "p50_ms": percentile(lags, 50),
+            "p99_ms": percentile(lags, 99),
             "max_ms": float(lags[-1]),
             "stale_decisions": sum(1 for x in lags if x > 0),
         }
@@ -199,15 +199,12 @@ class ExactReport:
         """The recorded predictions against their Completions: TTFT error (observed − predicted)
         percentiles and the predicted and achieved hit tokens, as the live scheduler exports them."""
         qs = [d.quality for d in self.decisions if d.quality is not None]
-        errors = sorted(q.observed_ttft_ms - q.predicted_ttft_ms for q in qs)
-
-        def pct(p: float) -> float:
-            return errors[min(int(p * len(errors)), len(errors) - 1)] if errors else 0.0
+        errors = [q.observed_ttft_ms - q.predicted_ttft_ms for q in qs]
 
         return {
             "requests": len(qs),
-            "ttft_error_p50_ms": pct(0.5),
-            "ttft_error_p90_ms": pct(0.9),
+            "ttft_error_p50_ms": percentile(errors, 50),
+            "ttft_error_p90_ms": percentile(errors, 90),
             "predicted_hit_tokens": sum(q.predicted_hit_tokens for q in qs),
             "achieved_hit_tokens": sum(q.achieved_hit_tokens for q in qs),
             "prompt_tokens": sum(q.prompt_tokens for q in qs),

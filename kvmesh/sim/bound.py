@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.percentiles import percentile
 from kvmesh.sim.truth import TruthScale
 from kvmesh_core.costmodel import PerfProfile, recompute_ms
 from schemas.messages import ChatRequest
@@ -48,9 +49,9 @@ def bound_summary(ttfts_s: np.ndarray) -> dict[str, Any]:
     if not ttfts_s.size:
         return {"ttft_p50_s": 0.0, "ttft_p90_s": 0.0, "ttft_p99_s": 0.0, "ttft_mean_s": 0.0, "requests": 0}
     return {
-        "ttft_p50_s": float(np.percentile(ttfts_s, 50)),
-        "ttft_p90_s": float(np.percentile(ttfts_s, 90)),
-        "ttft_p99_s": float(np.percentile(ttfts_s, 99)),
+        "ttft_p50_s": percentile(ttfts_s, 50),
+        "ttft_p90_s": percentile(ttfts_s, 90),
+        "ttft_p99_s": percentile(ttfts_s, 99),
         "ttft_mean_s": float(ttfts_s.mean()),
         "requests": int(ttfts_s.size),
     }

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.percentiles import percentile
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -38,10 +40,6 @@ class RequestRecord:
     output_tokens: int
     decided_ms: float = 0.0  # when the scheduler assigned it
     predicted_ms: float = 0.0  # the scheduler's TTFT estimate at that moment (0: none)
-
-
-def _pct(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if values.size else 0.0
 
 
 def summarize(
@@ -74,13 +72,13 @@ def summarize(
         "requests": n,
         "rejected": rejected,
         "deferrals": deferrals,
-        "ttft_p50_s": _pct(ttft, 50),
-        "ttft_p90_s": _pct(ttft, 90),
-        "ttft_p99_s": _pct(ttft, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
         "ttft_mean_s": float(ttft.mean()) if n else 0.0,
-        "e2e_p50_s": _pct(e2e, 50),
-        "e2e_p90_s": _pct(e2e, 90),
-        "e2e_p99_s": _pct(e2e, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p90_s": percentile(e2e, 90),
+        "e2e_p99_s": percentile(e2e, 99),
         "throughput_rps": n / span_s,
         "output_tokens_per_s": out_tokens / span_s,
         "makespan_s": makespan_ms / 1000.0,
@@ -95,10 +93,10 @@ def summarize(
         "busy_fraction": {w: float(b) for w, b in zip(worker_ids, busy, strict=True)},
         "busy_fraction_mean": float(busy.mean()) if busy.size else 0.0,
         "busy_fraction_spread": float(100.0 * (busy.max() - busy.min())) if busy.size else 0.0,
-        "busy_fraction_spread_p90_p10": float(100.0 * (_pct(busy, 90) - _pct(busy, 10))),
-        "prediction_ratio_p10": _pct(pred, 10),
-        "prediction_ratio_p50": _pct(pred, 50),
-        "prediction_ratio_p90": _pct(pred, 90),
+        "busy_fraction_spread_p90_p10": float(100.0 * (percentile(busy, 90) - percentile(busy, 10))),
+        "prediction_ratio_p10": percentile(pred, 10),
+        "prediction_ratio_p50": percentile(pred, 50),
+        "prediction_ratio_p90": percentile(pred, 90),
     }
 
 

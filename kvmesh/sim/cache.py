@@ -1,21 +1,18 @@
 """A simulated worker's KV cache: block hashes in GPU, DRAM and disk tiers, each an LRU.
 
-The cache holds only identities (no bytes). Prefill writes go to the GPU tier, blocks pulled from a
-peer to the tier :meth:`TieredCache.insert` names; when a tier is over capacity
-its least recently used block is demoted one tier down (GPU -> DRAM -> disk -> dropped), the way the
-real worker's ``tiers.py`` demotes. A tier of capacity 0 is skipped.
+The cache holds only identities (no bytes) and follows the live worker's KvCacheManager step for step:
+room is made before a block is placed, victims and demote-or-drop come from ``kvmesh_core.eviction``
+(the rules both call), a prompt's blocks are released last to first, and blocks pulled from a peer go
+to the tier :meth:`TieredCache.insert` names (falling back to lower tiers). With a
+:class:`FleetHolders` shared by the fleet's caches the choice is fleet-aware; the live worker counts
+copies from kv-events a moment late, here the count is exact. ``tests/sim/test_cache_matches_worker.py``
+feeds both the same accesses and checks they hold the same blocks in the same tiers. Every change is
+recorded as a run of ``(kind, tier, from_tier, hashes, parents)`` so the worker can publish the same
+KvEvents a real worker would::
 
-Fleet-aware eviction, as the live worker's ``kv_cache_manager`` does it: with a :class:`FleetHolders`
-shared by the fleet's caches, the victim is the least recently used block *that another worker also
-holds* among the ``VICTIM_WINDOW`` least recent ones (else the least recent), and a DRAM victim with
-a copy elsewhere is dropped rather than demoted to disk (disk keeps last copies). The live worker
-counts copies from kv-events a moment late; here the count is exact. Every change is recorded as a
-run of ``(kind, tier, from_tier, hashes, parents)`` so the worker can publish the same KvEvents a
-real worker would::
-
-    access([h0 h1 h2])   h0 in gpu   -> touched (no event)
+    access([h0 h1 h2])   h0 in gpu   -> reused (no event)
                          h1 in dram  -> moved dram->gpu
-                         h2 absent   -> stored gpu            (then LRU demotions if gpu is full)
+                         h2 absent   -> stored gpu            (after room was made: LRU demotions)
 """
 
 from __future__ import annotations
@@ -25,14 +22,11 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import islice
 
+from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, pick_victim
 from schemas.messages import TIERS
 
 #: One recorded change: (kind, tier, from_tier, block hashes, parent hashes (stored only)).
 Change = tuple[str, str, str | None, list[int], list[int]]
-
-
-#: LRU candidates the fleet-aware victim choice looks at (the live worker's window too).
-VICTIM_WINDOW = 64
 
 
 class FleetHolders:
@@ -115,81 +109,105 @@ class TieredCache:
         return self._caps[tier]
 
     def access(self, hashes: list[int], parents: list[int]) -> list[Change]:
-        """Bring ``hashes`` (with their ``parents``) into the GPU tier as most recently used."""
+        """One prompt, the way the live engine drives its KvCacheManager: the leading run held here
+        is reused (lower-tier blocks promoted to the GPU tier, the run's blocks kept from eviction
+        meanwhile), room is made for the rest, the missing blocks are stored, and the prompt's blocks
+        become the most recent, last to first (kvmesh_core.eviction: the head is kept longest). A
+        block held here after a gap in the run stays where it is (the live commit keeps its copy)."""
         log = _ChangeLog()
-        gpu = self._tiers[0]
         where = self._where
-        busy = frozenset(hashes) if self._fleet is not None else frozenset()
-        for h, parent in zip(hashes, parents, strict=True):
-            t = where.get(h)
-            if t == 0:
-                gpu.move_to_end(h)
-                continue
-            if t is None:
+        gpu = self._tiers[0]
+        run = 0
+        for h in hashes:
+            if h not in where:
+                break
+            run += 1
+        busy = set(hashes[:run])
+        used: list[int] = []
+        for h in hashes[:run]:
+            t = where[h]
+            if t != 0:
+                if not self._make_room(0, 1, log, busy):
+                    break  # no room: the hit ends here, the rest is computed
+                del self._tiers[t][h]
+                gpu[h] = None
+                where[h] = 0
+                log.add("moved", TIERS[0], TIERS[t], h)
+            used.append(h)
+        rest = len(hashes) - len(used)
+        if rest and self._make_room(0, rest, log, busy):
+            for h, parent in zip(hashes[len(used) :], parents[len(used) :], strict=True):
+                if h in where:
+                    continue
+                gpu[h] = None
+                where[h] = 0
                 log.add("stored", TIERS[0], None, h, parent)
                 if self._fleet is not None:
                     self._fleet.add(h)
-            else:
-                del self._tiers[t][h]
-                log.add("moved", TIERS[0], TIERS[t], h)
-            gpu[h] = None
-            where[h] = 0
-            self._settle(0, log, busy)
+                used.append(h)
+        for h in reversed(used):
+            gpu.move_to_end(h)
         return log.runs
 
     def insert(self, hashes: list[int], parents: list[int], tier: int) -> list[Change]:
-        """Add the ``hashes`` held nowhere here to ``tier`` as its most recently used (blocks pulled
-        from a peer: the live ``commit_blocks`` skips blocks already held and leaves the rest where
-        it put them). A tier of capacity 0 puts them in the GPU tier instead."""
+        """Add the ``hashes`` held nowhere here to ``tier`` as its most recently used, falling back to
+        lower tiers when it has no room (blocks pulled from a peer: the live ``commit_blocks``). A
+        tier of capacity 0 means the GPU tier."""
         if self._caps[tier] == 0:
             tier = 0
         log = _ChangeLog()
-        store = self._tiers[tier]
         where = self._where
-        busy = frozenset(hashes) if self._fleet is not None else frozenset()
         for h, parent in zip(hashes, parents, strict=True):
             if h in where:
                 continue
-            log.add("stored", TIERS[tier], None, h, parent)
+            placed = next(
+                (t for t in range(tier, 3) if self._caps[t] and self._make_room(t, 1, log, set())), None
+            )
+            if placed is None:
+                break
+            self._tiers[placed][h] = None
+            where[h] = placed
+            log.add("stored", TIERS[placed], None, h, parent)
             if self._fleet is not None:
                 self._fleet.add(h)
-            store[h] = None
-            where[h] = tier
-            self._settle(tier, log, busy)
         return log.runs
 
-    def _settle(self, tier: int, log: _ChangeLog, busy: AbstractSet[int] = frozenset()) -> None:
-        """Demote (or drop) victims from ``tier`` down while any tier is over capacity.
+    def _held_elsewhere(self) -> HeldElsewhere | None:
+        return self._fleet.held_elsewhere if self._fleet is not None else None
 
-        ``busy``: the blocks of the call in progress, which the fleet-aware choice leaves alone (the
-        live worker never evicts blocks a running request references).
-        """
-        while tier < len(self._tiers) and len(self._tiers[tier]) > self._caps[tier]:
-            h = self._victim(tier, busy)
-            del self._tiers[tier][h]
-            below = tier + 1
-            while below < len(self._tiers) and self._caps[below] == 0:
-                below += 1
-            if below >= len(self._tiers) or (
-                # from DRAM, a block with a copy elsewhere is dropped: disk keeps last copies
-                tier == 1 and self._fleet is not None and self._fleet.held_elsewhere(h)
-            ):
-                del self._where[h]
-                if self._fleet is not None:
-                    self._fleet.remove(h)
-                log.add("removed", TIERS[tier], None, h)
-                continue
-            self._tiers[below][h] = None
-            self._where[h] = below
-            log.add("moved", TIERS[below], TIERS[tier], h)
-            self._settle(below, log, busy)
-
-    def _victim(self, tier: int, busy: AbstractSet[int]) -> int:
-        """The least recent block of ``tier``, preferring (fleet-aware) one held elsewhere too."""
+    def _make_room(
+        self, tier: int, n: int, log: _ChangeLog, busy: AbstractSet[int], keep: int | None = None
+    ) -> bool:
+        """Evict from ``tier`` until ``n`` slots are free: the victim by the fleet rule among its
+        least recent blocks other than ``busy`` and ``keep``, demoted or dropped. False when every
+        block is busy."""
         store = self._tiers[tier]
-        fleet = self._fleet
-        if fleet is not None:
-            for h in islice(store, VICTIM_WINDOW):
-                if h not in busy and fleet.held_elsewhere(h):
-                    return h
-        return next(iter(store))
+        while self._caps[tier] - len(store) < n:
+            window = list(islice((h for h in store if h not in busy and h != keep), VICTIM_WINDOW))
+            i = pick_victim(window, self._held_elsewhere())
+            if i is None:
+                return False
+            h = window[i]
+            del store[h]
+            self._demote(tier, h, log, busy)
+        return True
+
+    def _demote(self, tier: int, h: int, log: _ChangeLog, busy: AbstractSet[int]) -> None:
+        """A victim of ``tier`` goes one tier down with room made there, or is dropped
+        (kvmesh_core.eviction: DRAM keeps a block on disk only when it is the fleet's last copy)."""
+        below: tuple[int, ...] = ()
+        if tier == 0:
+            below = (1, 2)
+        elif tier == 1 and dram_victim_to_disk(h, self._held_elsewhere()):
+            below = (2,)
+        for b in below:
+            # the live worker pins the lower-tier copies of the run being reused: never their victims
+            if self._caps[b] and self._make_room(b, 1, log, busy, keep=h):
+                self._tiers[b][h] = None
+                self._where[h] = b
+                log.add("moved", TIERS[b], TIERS[tier], h)
+                return
+        del self._where[h]
+        if self._fleet is not None:
+            self._fleet.remove(h)
+        log.add("removed", TIERS[tier], None, h)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, pick_victim
 from schemas.blocks import ROOT_HASH
 from schemas.messages import KvEvent, TierUsage
 from services.worker.block_pool import BlockPool
@@ -39,8 +40,6 @@ from services.worker.tiers import HostTier
 
 log = logging.getLogger(__name__)
 
-#: How many LRU candidates the preference-aware victim choice looks at (keeps eviction O(1)-ish).
-_VICTIM_WINDOW = 64
 
 #: Blocks per re-announce KvEvent: a hash and a parent are at most 9 bytes each in MessagePack, so
 #: 4096 blocks make a ~75 KB record, far below the default 1 MiB record limit.
@@ -172,7 +171,7 @@ class KvCacheManager:
             run = block_hashes[: self.lookup_prefix(block_hashes[:limit])]
             # Pin the lower-tier copies of the whole run so that making room for one promotion
             # cannot demote or drop a later block of the same run.
-            slots = []
+            slots: dict[int, tuple[HostTier, int]] = {}
             for h in run:
                 m = self._meta[h]
                 if m.tier != "gpu":
@@ -180,7 +179,7 @@ class KvCacheManager:
                     slot = tier.slot_of(h)
                     assert slot is not None
                     tier.pin(slot)
-                    slots.append((tier, slot))
+                    slots[h] = (tier, slot)
             # Reference the GPU-resident blocks of the run first, so that promoting an earlier block
             # never evicts a later one.
             ids: list[int | None] = [
@@ -203,8 +202,12 @@ class KvCacheManager:
                     self.pool.incref(b2)
                     ids[i] = b2
                     promoted += 1
+                    # Its copy is in the GPU now: its old slot is free for the next demotion at once
+                    # (held until the end, a vacated slot forced a needless drop).
+                    tier, slot = slots.pop(h)
+                    tier.unpin(slot)
             finally:
-                for tier, slot in slots:
+                for tier, slot in slots.values():
                     tier.unpin(slot)
             got = [b for b in ids if b is not None]
             return PrefixHit(got, promoted)
@@ -413,17 +416,12 @@ class KvCacheManager:
     def _has_copies(self, h: int) -> bool:
         return self._fleet_copies is not None and self._fleet_copies(h) > 0
 
-    def _victim_key(self, h: int, lru_rank: int) -> tuple[int, int, int]:
-        # Smallest key is evicted first: fleet-held copies, then unretained, then least recent.
-        return (0 if self._has_copies(h) else 1, 1 if h in self._retained else 0, lru_rank)
+    def _held_elsewhere(self) -> HeldElsewhere | None:
+        return self._has_copies if self._fleet_copies is not None else None
 
     def _pick(self, candidates: list[int]) -> int | None:
-        if not candidates:
-            return None
-        if self._fleet_copies is None and not self._retained:
-            return 0
-        window = candidates[:_VICTIM_WINDOW]
-        return min(range(len(window)), key=lambda i: self._victim_key(window[i], i))
+        """The victim's index among ``candidates`` (evictable, least recent first): the fleet rule."""
+        return pick_victim(candidates[:VICTIM_WINDOW], self._held_elsewhere(), self._retained)
 
     def _make_gpu_room(self, n: int) -> bool:
         """Evict cached GPU blocks until ``n`` are free; False if unreferenced blocks run out."""
@@ -466,7 +464,7 @@ class KvCacheManager:
         to_disk = (
             tier is self.dram
             and self.disk.capacity > 0
-            and (not self._has_copies(h) or h in self._retained)
+            and dram_victim_to_disk(h, self._held_elsewhere(), self._retained)
             and self._make_host_room(self.disk)
             and self.disk.put(h, data)
         )

@@ -9,28 +9,36 @@ def test_store_then_demote_down_the_tiers() -> None:
     c = TieredCache(gpu_blocks=2, dram_blocks=1, disk_blocks=0)
     assert c.access([1, 2], [0, 1]) == [("stored", "gpu", None, [1, 2], [0, 1])]
     changes = c.access([3], [2])
-    # 1 is the least recently used: gpu -> dram
-    assert changes == [("stored", "gpu", None, [3], [2]), ("moved", "dram", "gpu", [1], [])]
+    # room first, then the store; released last to first, 2 (the tail) is the least recent
+    assert changes == [("moved", "dram", "gpu", [2], []), ("stored", "gpu", None, [3], [2])]
     changes = c.access([4], [3])
-    # 2 leaves the gpu; dram is full, so 1 (disk has no room) is dropped
+    # 1 leaves the gpu; dram is full, so 2 (disk has no room) is dropped to make room for it
     assert changes == [
+        ("removed", "dram", None, [2], []),
+        ("moved", "dram", "gpu", [1], []),
         ("stored", "gpu", None, [4], [3]),
-        ("moved", "dram", "gpu", [2], []),
-        ("removed", "dram", None, [1], []),
     ]
-    assert c.tier_of(1) is None and c.tier_of(2) == 1 and c.tier_of(4) == 0
+    assert c.tier_of(2) is None and c.tier_of(1) == 1 and c.tier_of(4) == 0
     assert c.used(0) == 2 and c.used(1) == 1
 
 
 def test_access_promotes_and_refreshes() -> None:
     c = TieredCache(gpu_blocks=2, dram_blocks=4)
-    c.access([1, 2, 3], [0, 1, 2])  # 1 demoted to dram
-    assert c.prefix_tiers([1, 2, 3, 9]) == [1, 0, 0]
-    changes = c.access([1], [0])
-    assert changes[0] == ("moved", "gpu", "dram", [1], [])
-    assert changes[1] == ("moved", "dram", "gpu", [2], [])  # 2 was the LRU of the gpu
-    assert c.access([3], [2]) == []  # a hit in the gpu only refreshes recency
+    c.access([1, 2], [0, 1])
+    c.access([3], [2])  # 2, the tail of the first prompt, demoted to dram
+    assert c.prefix_tiers([1, 2, 3, 9]) == [0, 1, 0]
+    changes = c.access([1, 2], [0, 1])
+    assert changes[0] == ("moved", "dram", "gpu", [3], [])  # 3 was the LRU of the gpu (1 is in use)
+    assert changes[1] == ("moved", "gpu", "dram", [2], [])
+    assert c.access([1], [0]) == []  # a hit in the gpu only refreshes recency
     assert c.prefix_tiers([9, 1]) == []
+
+
+def test_a_prompt_larger_than_the_gpu_tier_stores_nothing() -> None:
+    """As the live allocate() that finds no room: the request cannot run there."""
+    c = TieredCache(gpu_blocks=2, dram_blocks=4)
+    assert c.access([1, 2, 3], [0, 1, 2]) == []
+    assert c.used(0) == 0
 
 
 def test_insert_lands_in_the_named_tier_and_skips_held_blocks() -> None:
@@ -51,13 +59,13 @@ def test_fleet_aware_eviction_takes_a_block_held_elsewhere_first() -> None:
     b.access([2], [0])  # b holds a copy of 2
     assert fleet.counts == {1: 1, 2: 2, 3: 1}
     changes = a.access([4], [3])
-    # 1 is the least recent, but 2 has a copy on b: 2 leaves a's GPU
-    assert changes[1] == ("moved", "dram", "gpu", [2], [])
-    assert a.tier_of(1) == 0 and a.tier_of(2) == 1
+    # 3 is the least recent (a prompt's tail goes first), but 2 has a copy on b: 2 leaves a's GPU
+    assert changes[0] == ("moved", "dram", "gpu", [2], [])
+    assert a.tier_of(3) == 0 and a.tier_of(2) == 1
     # the same calls without the shared counts evict plain LRU
     lru = TieredCache(gpu_blocks=3, dram_blocks=4)
     lru.access([1, 2, 3], [0, 1, 2])
-    assert lru.access([4], [3])[1] == ("moved", "dram", "gpu", [1], [])
+    assert lru.access([4], [3])[0] == ("moved", "dram", "gpu", [3], [])
 
 
 def test_dram_drops_blocks_held_elsewhere_and_demotes_last_copies() -> None:

@@ -1,0 +1,44 @@
+"""The fleet's eviction rules, once: the live worker's KvCacheManager and the simulator's cache both
+call them, so the simulator keeps and drops what the product keeps and drops.
+
+- **Which victim.** Among the ``VICTIM_WINDOW`` least recently used evictable blocks of a tier, the
+  smallest of (held by another worker? 0 : 1, retained by a placement hint? 1 : 0, LRU rank): a copy
+  the fleet still has elsewhere goes first, a block placement asked to keep goes last, and otherwise
+  the least recent. Without fleet copies or hints that is plain LRU. The window keeps the choice O(1).
+- **Demote or drop.** A GPU victim moves to DRAM, or to disk when there is no DRAM, or is dropped.
+  A DRAM victim moves to disk only if disk is its last copy in the fleet (or it is retained): disk
+  keeps what only this worker has. A disk victim is dropped.
+- **Order of use.** A request's blocks are released last to first, so its tail is older than its head
+  and eviction trims a prefix from its end, keeping the shared head longest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Sequence
+
+#: LRU candidates the victim choice looks at.
+VICTIM_WINDOW = 64
+
+HeldElsewhere = Callable[[int], bool]
+
+
+def pick_victim(
+    window: Sequence[int], held_elsewhere: HeldElsewhere | None, retained: Container[int] = ()
+) -> int | None:
+    """Index into ``window`` (evictable blocks, least recent first, at most VICTIM_WINDOW) of the
+    block to evict; None when there is none."""
+    if not window:
+        return None
+    if held_elsewhere is None and not retained:
+        return 0
+
+    def key(i: int) -> tuple[int, int, int]:
+        h = window[i]
+        return (0 if held_elsewhere is not None and held_elsewhere(h) else 1, 1 if h in retained else 0, i)
+
+    return min(range(len(window)), key=key)
+
+
+def dram_victim_to_disk(h: int, held_elsewhere: HeldElsewhere | None, retained: Container[int] = ()) -> bool:
+    """Whether a block leaving DRAM is kept on disk (when disk has room) rather than dropped."""
+    return held_elsewhere is None or not held_elsewhere(h) or h in retained

@@ -1,0 +1,105 @@
+"""The simulator's cache keeps what the live worker's KvCacheManager keeps.
+
+The same access sequences (prompts that share prefixes, as conversations do) go to the live cache, as
+the built-in engine drives it (reuse the leading held run, allocate and commit the rest, release), and
+to the simulator's TieredCache. After every access both hold the same blocks in the same tiers: the
+same victims were chosen, the same demotions and drops made. With a fleet (blocks other workers hold
+are evicted first, and dropped from DRAM rather than kept on disk) too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvmesh.sim.cache import FleetHolders, TieredCache
+from services.worker.kv_cache_manager import KvCacheManager
+from services.worker.kv_layout import BlockLayout
+
+LAYOUT = BlockLayout(layers=1, kv_heads=1, block_size=4, head_dim=2, dtype="float32")
+NS = b"t"
+
+#: A prompt (document, length in blocks, pulled from a peer?); block i of document d is hash
+#: d*100 + i + 1, chained. A pulled prompt's blocks are inserted into DRAM, as a fetch commits them.
+prompts = st.lists(
+    st.tuples(st.integers(0, 5), st.integers(1, 5), st.sampled_from([False, False, False, True])),
+    min_size=1,
+    max_size=40,
+)
+
+
+def _chain(doc: int, n: int) -> tuple[list[int], list[int]]:
+    hashes = [doc * 100 + i + 1 for i in range(n)]
+    return hashes, [0, *hashes[:-1]]
+
+
+def _live_access(kv: KvCacheManager, hashes: list[int], parents: list[int]) -> None:
+    """What the built-in engine does for one prompt whose every block ends up computed or reused."""
+    hit = kv.acquire_prefix(hashes)
+    got = len(hit.block_ids)
+    own = kv.allocate(len(hashes) - got)
+    assert own is not None
+    for b, h, p in zip(own, hashes[got:], parents[got:], strict=True):
+        kv.commit_computed(b, h, p, NS)
+    kv.release(hit.block_ids + own)
+
+
+def _live_fetch(kv: KvCacheManager, hashes: list[int], parents: list[int]) -> None:
+    data = bytes(LAYOUT.nbytes)
+    kv.commit_blocks([(h, p, data) for h, p in zip(hashes, parents, strict=True)], NS, tier="dram")
+
+
+def _tiers_live(kv: KvCacheManager) -> dict[str, set[int]]:
+    return {t: set(hs) for t, hs in kv.held_hashes().items()}
+
+
+def _tiers_sim(c: TieredCache, held: list[int]) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {"gpu": set(), "dram": set(), "disk": set()}
+    names = ("gpu", "dram", "disk")
+    for h in held:
+        t = c.tier_of(h)
+        if t is not None:
+            out[names[t]].add(h)
+    return out
+
+
+def _run(
+    tmp: Path, seq: list[tuple[int, int, bool]], caps: tuple[int, int, int], elsewhere: set[int] | None
+) -> None:
+    kv = KvCacheManager(LAYOUT, *caps, disk_dir=tmp, worker_id="w-live")
+    fleet = None
+    if elsewhere is not None:
+        kv.set_fleet_copies(lambda h: 1 if h in elsewhere else 0)
+        fleet = FleetHolders()
+        for h in elsewhere:
+            fleet.add(h)  # another worker's copy
+    sim = TieredCache(*caps, fleet=fleet)
+    universe = [d * 100 + i + 1 for d in range(6) for i in range(5)]
+    try:
+        for step, (doc, n, pulled) in enumerate(seq):
+            hashes, parents = _chain(doc, n)
+            if pulled:
+                _live_fetch(kv, hashes, parents)
+                sim.insert(hashes, parents, 1)
+            else:
+                _live_access(kv, hashes, parents)
+                sim.access(hashes, parents)
+            assert _tiers_live(kv) == _tiers_sim(sim, universe), f"after step {step}: {(doc, n, pulled)}"
+    finally:
+        kv.close()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq=prompts, disk=st.sampled_from([0, 3]))
+def test_same_blocks_in_the_same_tiers(tmp_path: Path, seq: list[tuple[int, int, bool]], disk: int) -> None:
+    _run(tmp_path, seq, (6, 4, disk), None)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq=prompts, elsewhere=st.sets(st.sampled_from([d * 100 + i + 1 for d in range(6) for i in range(5)])))
+def test_same_victims_with_a_fleet(
+    tmp_path: Path, seq: list[tuple[int, int, bool]], elsewhere: set[int]
+) -> None:
+    _run(tmp_path, seq, (6, 4, 3), elsewhere)

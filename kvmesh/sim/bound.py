@@ -19,6 +19,7 @@ import numpy as np
 from kvmesh.percentiles import percentile
 from kvmesh.sim.truth import TruthScale
 from kvmesh_core.costmodel import PerfProfile, recompute_ms
+from kvmesh_core.reuse import reusable_blocks
 from schemas.messages import ChatRequest
 from schemas.token_ids import int_list
 
@@ -31,7 +32,7 @@ def bound_ttfts_s(requests: Iterable[ChatRequest], real: PerfProfile, truth: Tru
         bs = req.block_size
         n_tok = len(req.token_ids)
         hashes = int_list(req.block_hashes)
-        max_reuse = (n_tok - 1) // bs if n_tok else 0  # the last token is always computed (its logits)
+        max_reuse = reusable_blocks(n_tok, bs)
         cached = 0
         # block hashes chain their prefix, so a block seen anywhere means its whole prefix was computed
         for h in hashes[:max_reuse]:

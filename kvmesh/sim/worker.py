@@ -31,6 +31,7 @@ from kvmesh.sim.cache import Change, FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
 from kvmesh.sim.truth import TruthScale
 from kvmesh_core.costmodel import PerfProfile, decode_ms, prefill_ctx, promote_ms, recompute_ms, transfer_ms
+from kvmesh_core.reuse import reusable_blocks
 from schemas.messages import (
     TIERS,
     Assignment,
@@ -315,7 +316,7 @@ class SimWorker:
         bs = p.block_size
         hashes = int_list(job.request.block_hashes)
         n_tok = len(job.request.token_ids)
-        max_reuse = (n_tok - 1) // bs if n_tok else 0  # the last token is always computed (its logits)
+        max_reuse = reusable_blocks(n_tok, bs)
         local = self.cache.prefix_tiers(hashes)[:max_reuse]
         n = len(local)
         cost = 0.0

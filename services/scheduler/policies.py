@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh_core.costmodel import fetch_ms, promote_ms, recompute_ms
+from kvmesh_core.reuse import reusable_blocks
 from schemas.messages import ChatRequest
 from services.scheduler.view import FleetView, WorkerState
 
@@ -122,7 +123,7 @@ def score_worker(
     bs = req.block_size
     n_tok = len(req.token_ids)
     # at least one token is always computed: its logits start decoding
-    max_reuse = (n_tok - 1) // bs if n_tok else 0
+    max_reuse = reusable_blocks(n_tok, bs)
     cached = 0
     move = 0.0
     if local is not None:

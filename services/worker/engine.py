@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from kvmesh_core.costmodel import PerfProfile, prefill_ctx
+from kvmesh_core.reuse import reusable_blocks
 from kvmesh_core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import BASE_FEATURES, KvEvent, TokenLogprob
@@ -285,7 +286,7 @@ class Engine:
             s.started = time.perf_counter()
             # The last prompt token is always recomputed: its logits give the first output token,
             # and shared blocks are never written.
-            usable = min(len(s.hashes), (s.prompt_len - 1) // bs)
+            usable = min(len(s.hashes), reusable_blocks(s.prompt_len, bs))
             hit = self.kv.acquire_prefix(s.hashes, max_blocks=usable)
             need = -(-s.prompt_len // bs) - len(hit.block_ids)
             own = self.kv.allocate(need)

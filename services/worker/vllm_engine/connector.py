@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvmesh_core.reuse import reusable_blocks
 from schemas.blocks import PUBLIC_NAMESPACE, ROOT_HASH, hash_block
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.kv_layout import BlockLayout
@@ -213,7 +214,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             return 0, False
         bs = self.bs
         # The last prompt token is always computed: its logits give the first output token.
-        usable = (request.num_prompt_tokens - 1) // bs
+        usable = reusable_blocks(request.num_prompt_tokens, bs)
         start = num_computed_tokens // bs
         if start >= usable:
             return 0, False

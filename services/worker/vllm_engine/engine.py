@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh_core.costmodel import PerfProfile, prefill_ctx
+from kvmesh_core.reuse import reusable_blocks
 from kvmesh_core.tokenizer import HFTokenizer
 from schemas.messages import (
     BASE_FEATURES,
@@ -424,7 +425,7 @@ class VllmEngine:
 
     def _fallback(self, t: _Track, reused: int) -> str | None:
         bs = self.block_size
-        expected = min(t.req.expected_reuse_blocks, (t.prompt_len - 1) // bs)
+        expected = min(t.req.expected_reuse_blocks, reusable_blocks(t.prompt_len, bs))
         found = reused // bs
         if found < expected:
             return f"expected {expected} cached blocks, vLLM found {found}; recomputed"

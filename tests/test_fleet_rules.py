@@ -1,0 +1,27 @@
+"""The fleet rules every layer shares (kvmesh_core): reusable blocks and the eviction choice."""
+
+from __future__ import annotations
+
+from kvmesh_core.eviction import dram_victim_to_disk, pick_victim
+from kvmesh_core.reuse import reusable_blocks
+
+
+def test_the_last_token_is_always_computed() -> None:
+    assert [reusable_blocks(n, 16) for n in (0, 1, 16, 17, 32, 33)] == [0, 0, 0, 1, 1, 2]
+
+
+def test_victim_order_fleet_copy_then_unretained_then_lru() -> None:
+    window = [10, 11, 12, 13]
+    assert pick_victim(window, None) == 0  # plain LRU
+    assert pick_victim([], None) is None
+    elsewhere = {12, 13}.__contains__
+    assert pick_victim(window, elsewhere) == 2  # the least recent block the fleet still has elsewhere
+    assert pick_victim(window, elsewhere, retained={12}) == 3  # a retained one goes after
+    assert pick_victim(window, None, retained={10, 11}) == 2  # hints alone: unretained first
+
+
+def test_dram_keeps_last_copies_on_disk() -> None:
+    assert dram_victim_to_disk(1, None)
+    assert dram_victim_to_disk(1, {2}.__contains__)
+    assert not dram_victim_to_disk(2, {2}.__contains__)
+    assert dram_victim_to_disk(2, {2}.__contains__, retained={2})

@@ -23,9 +23,11 @@ written to the GPU tier; cache changes go out as KvEvents, and a LoadReport afte
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvmesh.sim.cache import Change, FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
@@ -43,12 +45,18 @@ from schemas.messages import (
     TierUsage,
 )
 from schemas.token_ids import int_list
+from services.worker.engine_api import EngineLoad
+from services.worker.reports import WorkerIdentity, build_load_report
 
 #: Where a worker sends a message it publishes: (message, simulated time ms).
 Emit = Callable[[object, float], None]
 #: How a worker asks the engine to call it back at a time: (time ms, worker, job (fetch done) or None
 #: (end of iteration; stale unless the worker's ``gen`` is unchanged)).
 Schedule = Callable[[float, "SimWorker", "Job | None"], None]
+
+
+#: A LoadReport's defaults for what a simulated worker has no facts of (model, engine, context).
+_REPORT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(LoadReport)}
 
 
 @dataclass(slots=True)
@@ -100,6 +108,19 @@ class SimWorker:
         self.address = f"sim://{worker_id}"
         # what the worker publishes (every policy sees only this) and what its engine really runs at
         self.profile = profile
+        # What a LoadReport says of this worker beside its load: the live defaults of a worker that
+        # publishes no model facts (the simulator's fleet serves one model).
+        self._ident = WorkerIdentity(
+            worker_id=worker_id,
+            model=_REPORT_DEFAULTS["model"],
+            engine=_REPORT_DEFAULTS["engine"],
+            block_size=profile.block_size,
+            block_bytes=profile.block_bytes,
+            max_context=_REPORT_DEFAULTS["max_context"],
+            transfer_address=self.address,
+            peer_transfer=True,
+            started_ms=0,
+        )
         self.truth = truth or TruthScale()
         self.real = self.truth.apply(profile)
         self.peers = peers  # every worker of the fleet by id (a shared dict), for fetches
@@ -148,26 +169,16 @@ class SimWorker:
             queued_ctx += prefill_ctx(job.recomputed_tokens, job.prompt_tokens - job.recomputed_tokens) * left
             depth += 1
         self.last_report_ms = now_ms
-        lr = LoadReport(
-            worker_id=self.worker_id,
-            report_ms=int(now_ms),
+        load = EngineLoad(
             queue_depth=depth,
             active_requests=len(self._decoding) + depth,
             active_tokens=self._active_tokens,
             queued_prefill_tokens=queued,
-            queued_prefill_ctx_tokens=queued_ctx,
             tiers=tiers,
-            transfer_address=self.address,
-            block_size=p.block_size,
-            block_bytes=p.block_bytes,
-            prefill_ms_per_token=p.prefill_ms_per_token,
-            prefill_ms_per_token_per_ctx=p.prefill_ms_per_token_per_ctx,
-            decode_ms_per_step=p.decode_ms_per_step,
-            link_gbps=p.link_gbps,
-            link_latency_ms=p.link_latency_ms,
-            dram_gbps=p.dram_gbps,
-            disk_gbps=p.disk_gbps,
+            queued_prefill_ctx_tokens=queued_ctx,
         )
+        # The live worker's builder: the simulated worker publishes what a real one would.
+        lr = build_load_report(self._ident, load, p, int(now_ms), draining=False)
         self._emit(lr, now_ms)
 
     # ---------------------------------------------------------------------------------- the engine

@@ -40,7 +40,7 @@ from kvmesh.replay.errors import ReplayError
 from kvmesh.replay.report_check import env_report_check
 from schemas.codec import decode
 from schemas.errors import SchemaError
-from schemas.messages import Assignment, ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
+from schemas.messages import Assignment, ChatRequest, Completion, LoadReport
 from services.scheduler.metrics import Outcome, compare, prediction_of
 from services.scheduler.router import CandidateScore, Decision, Router, RouterSettings
 from services.scheduler.view import FleetView, ViewSettings
@@ -263,15 +263,9 @@ class _Run:
 
 
 def _apply(view: FleetView, msg: Any) -> None:
-    if isinstance(msg, KvEvent):
-        view.apply_kv_event(msg)
-    elif isinstance(msg, LoadReport):
-        if env_report_check().accept(msg):  # the live scheduler dropped what does not verify
-            view.apply_load(msg)
-    elif isinstance(msg, WorkerLost):
-        view.apply_worker_lost(msg)
-    elif isinstance(msg, Completion):
-        view.note_completion(msg)
+    if isinstance(msg, LoadReport) and not env_report_check().accept(msg):
+        return  # the live scheduler dropped what does not verify
+    view.apply(msg)
 
 
 def _order(s: _State) -> tuple[int, str, int]:

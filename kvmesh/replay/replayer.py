@@ -161,19 +161,12 @@ def replay(
     decided: set[str] = set()
     now = 0
     for _, msg in decoded:
-        if isinstance(msg, KvEvent):
-            view.apply_kv_event(msg)
-            now = max(now, msg.event_ms)
-        elif isinstance(msg, LoadReport):
-            if not env_report_check().accept(msg):
-                continue  # as the live scheduler: a report that does not verify never happened
-            view.apply_load(msg)
-            now = max(now, msg.report_ms)
-        elif isinstance(msg, WorkerLost):
-            view.apply_worker_lost(msg)
-            now = max(now, msg.declared_ms)
-        elif isinstance(msg, Completion):
-            view.note_completion(msg)
+        if isinstance(msg, LoadReport) and not env_report_check().accept(msg):
+            continue  # as the live scheduler: a report that does not verify never happened
+        if isinstance(msg, KvEvent | LoadReport | WorkerLost | Completion):
+            t = view.apply(msg)
+            if t is not None:
+                now = max(now, t)
         elif isinstance(msg, ChatRequest):
             if msg.request_id in decided:
                 continue  # a redelivered request: the live scheduler decided it once

@@ -146,13 +146,6 @@ class Simulation:
         self.rejected = 0
         self.deferrals = 0
         self.arrivals = 0
-        view = self.view
-        self._apply: dict[type, Callable[[Any], None]] = {
-            KvEvent: view.apply_kv_event,
-            LoadReport: view.apply_load,
-            Completion: view.note_completion,
-            WorkerLost: view.apply_worker_lost,
-        }
 
     def _emit(self, message: object, at_ms: float) -> None:
         self.queue.push(at_ms + self.config.lag_ms, _DELIVER, message)
@@ -198,10 +191,10 @@ class Simulation:
                 _, _, msg = q.pop()
                 if self.tap is not None:
                     self.tap(LOAD, msg, t0)
-                self._apply[type(msg)](msg)
+                self.view.apply(msg)
             q.push(float(first.arrival_ms), _ARRIVE, first)
             q.push(float(first.arrival_ms) + self.config.heartbeat_ms, _HEARTBEAT)
-        apply = self._apply
+        apply = self.view.apply
         tap = self.tap
         pending_progress = 0
         last_arrival = float(first.arrival_ms) if first is not None else 0.0
@@ -211,7 +204,7 @@ class Simulation:
             if kind == _DELIVER:
                 if tap is not None:
                     tap(_TOPIC_OF[type(payload)], payload, now)
-                apply[type(payload)](payload)
+                apply(payload)
             elif kind == _WORKER:
                 worker, gen, job = payload
                 if job is not None:

@@ -338,14 +338,14 @@ class SchedulerService:
         msg = record.message
         self.metrics.state_records.inc()
         if isinstance(msg, KvEvent):
-            self.view.apply_kv_event(msg)
             self._advance(msg.event_ms)
+            self.view.apply(msg)
         elif isinstance(msg, LoadReport):
             if not self._reports.accept(msg):
                 return  # forged or unsigned under a fleet secret: no worker is invented from it
             known = self.view.workers.get(msg.worker_id)
             before = known.report.started_ms if known is not None else None
-            self.view.apply_load(msg)
+            self.view.apply(msg)
             self._advance(msg.report_ms)
             if before is not None and msg.started_ms > before:
                 # The worker restarted: what its previous instance held in flight is gone with it, and
@@ -359,14 +359,14 @@ class SchedulerService:
             # Heard from after the last report the KV manager had (a manager that restarted, or read
             # late): that instance is alive and runs what was decided for it.
             alive = known.report.started_ms if known and known.report_ms > msg.last_seen_ms else None
-            self.view.apply_worker_lost(msg)
+            self.view.apply(msg)
             self._advance(msg.declared_ms)
             # A worker that reported after it was declared lost is back: likewise.
             back = self.view.workers.get(msg.worker_id)
             keep = alive if alive is not None else (back.report.started_ms if back else None)
             self._redispatch_from(msg.worker_id, keep_epoch=keep)
         elif isinstance(msg, Completion):
-            self.view.note_completion(msg)
+            self.view.apply(msg)
             self._assigned.pop(msg.request_id, None)
             self.metrics.completed(msg)
 

@@ -217,6 +217,24 @@ class FleetView:
             self.routed = RoutedPrefixes(routed_max_blocks)
 
     # -- events ----------------------------------------------------------------------------------
+    def apply(self, msg: object) -> int | None:
+        """Apply one state message (KvEvent, LoadReport, WorkerLost, Completion), the one dispatch the
+        scheduler, replay and the simulator share; returns the event time it carries (ms; None for a
+        Completion or any other type, which changes nothing here). Callers check report signatures
+        before (schemas.report_signing)."""
+        if isinstance(msg, KvEvent):
+            self.apply_kv_event(msg)
+            return msg.event_ms
+        if isinstance(msg, LoadReport):
+            self.apply_load(msg)
+            return msg.report_ms
+        if isinstance(msg, WorkerLost):
+            self.apply_worker_lost(msg)
+            return msg.declared_ms
+        if isinstance(msg, Completion):
+            self.note_completion(msg)
+        return None
+
     def apply_kv_event(self, ev: KvEvent) -> None:
         if ev.worker_id in self.refused:
             return

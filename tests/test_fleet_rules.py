@@ -25,3 +25,13 @@ def test_dram_keeps_last_copies_on_disk() -> None:
     assert dram_victim_to_disk(1, {2}.__contains__)
     assert not dram_victim_to_disk(2, {2}.__contains__)
     assert dram_victim_to_disk(2, {2}.__contains__, retained={2})
+
+
+def test_fetch_extends_the_local_prefix_and_stops_at_a_gap() -> None:
+    from kvmesh_core.fetching import Step, chain_parents, plan_step
+
+    assert plan_step(2, 5, have=3) == (Step.PULL, 3)  # run 2..6, 0..2 here: pull 3..6
+    assert plan_step(2, 2, have=4) == (Step.HELD, 4)  # run 2..3 already here
+    assert plan_step(5, 2, have=3) == (Step.GAP, 3)  # 3 and 4 missing: a chained block is useless
+    assert chain_parents([11, 12, 13, 14], 0, 2) == [0, 11]
+    assert chain_parents([11, 12, 13, 14], 2, 2) == [12, 13]

@@ -33,6 +33,7 @@ from kvmesh.sim.cache import Change, FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
 from kvmesh.sim.truth import TruthScale
 from kvmesh_core.costmodel import PerfProfile, decode_ms, prefill_ctx, promote_ms, recompute_ms, transfer_ms
+from kvmesh_core.fetching import Step, chain_parents, plan_step
 from kvmesh_core.reuse import reusable_blocks
 from schemas.messages import (
     TIERS,
@@ -218,10 +219,11 @@ class SimWorker:
         start = have
         for plan in sorted(job.fetch, key=lambda f: f.first_block):
             end = plan.first_block + len(plan.block_hashes)
-            if have >= end:
+            step, _ = plan_step(plan.first_block, len(plan.block_hashes), have)
+            if step is Step.HELD:
                 continue  # already here (an earlier turn, a replication)
             peer = self.peers.get(plan.peer_worker)
-            if have < plan.first_block or peer is None:
+            if step is Step.GAP or peer is None:
                 break  # a gap before the fetched blocks: a chained block is useless after it
             got = 0
             lower = [0, 0, 0]  # of the blocks pulled, how many the peer reads from each tier
@@ -253,7 +255,7 @@ class SimWorker:
         them, and the view by KvEvent; the job joins the queue and its prefill promotes them."""
         lo, hi = job.fetch_range
         hashes = int_list(job.request.block_hashes)
-        parents = [hashes[i - 1] if i else 0 for i in range(lo, hi)]
+        parents = chain_parents(hashes, lo, hi - lo)
         self._publish(self.cache.insert(hashes[lo:hi], parents, 1), job, now_ms)
         job.fetched_blocks = hi - lo
         if job.ready:

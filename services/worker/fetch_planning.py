@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvmesh_core.fetching import Step, chain_parents, plan_step
 from schemas.messages import Assignment, ReplicateCommand
 from schemas.token_ids import int_list
 
@@ -35,10 +36,6 @@ class FetchOutcome:
     fetched_blocks: int = 0
     failures: int = 0
     declined: int = 0  # runs the worker's own cost check turned down
-
-
-def _parents(hashes: list[int], start: int, n: int) -> list[int]:
-    return [hashes[i - 1] if i > 0 else 0 for i in range(start, start + n)]
 
 
 #: ``worth_fetching(n_blocks, cached_tokens)``: the worker's own check of a plan against the cost model.
@@ -62,16 +59,13 @@ async def fetch_planned(
     hashes = int_list(req.block_hashes)
     outcome = FetchOutcome()
     for plan in sorted(a.fetch, key=lambda p: p.first_block):
-        have = lookup_prefix(hashes)
-        end = plan.first_block + len(plan.block_hashes)
-        if have >= end:
+        step, start = plan_step(plan.first_block, len(plan.block_hashes), lookup_prefix(hashes))
+        if step is Step.HELD:
             continue  # someone (a replication, an earlier turn) already brought them
-        if have < plan.first_block:
+        if step is Step.GAP:
             entry.fallback = "gap before fetched blocks; recomputing"
             break
-        skip = have - plan.first_block
-        want = list(plan.block_hashes[skip:])
-        start = plan.first_block + skip
+        want = list(plan.block_hashes[start - plan.first_block :])
         if worth_fetching is not None and not worth_fetching(len(want), start * req.block_size):
             outcome.declined += 1
             entry.fallback = (
@@ -79,7 +73,12 @@ async def fetch_planned(
             )
             break
         result = await client.fetch(
-            plan.peer_address, want, _parents(hashes, start, len(want)), req.namespace, sink, peer_id=peer_id
+            plan.peer_address,
+            want,
+            chain_parents(hashes, start, len(want)),
+            req.namespace,
+            sink,
+            peer_id=peer_id,
         )
         got = len(result.received)
         entry.fetched_blocks += got
@@ -107,7 +106,7 @@ async def replicate(
         return None
     want = hashes[have:]
     result = await client.fetch(
-        cmd.source_address, want, _parents(hashes, have, len(want)), cmd.namespace, sink, peer_id=peer_id
+        cmd.source_address, want, chain_parents(hashes, have, len(want)), cmd.namespace, sink, peer_id=peer_id
     )
     log.info(
         "replication %s: %d/%d blocks from %s",

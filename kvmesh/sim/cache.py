@@ -19,14 +19,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from itertools import islice
 
+from kvmesh_core.event_runs import EventRun, EventRuns
 from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, pick_victim
 from schemas.messages import TIERS
-
-#: One recorded change: (kind, tier, from_tier, block hashes, parent hashes (stored only)).
-Change = tuple[str, str, str | None, list[int], list[int]]
 
 
 class FleetHolders:
@@ -52,28 +49,11 @@ class FleetHolders:
         return self.counts.get(h, 0) > 1
 
 
-@dataclass(slots=True)
-class _ChangeLog:
-    """Consecutive changes of the same (kind, tier, from_tier) merged into one run."""
-
-    runs: list[Change] = field(default_factory=list)
-
-    def add(self, kind: str, tier: str, from_tier: str | None, h: int, parent: int | None = None) -> None:
-        if self.runs:
-            last = self.runs[-1]
-            if last[0] == kind and last[1] == tier and last[2] == from_tier:
-                last[3].append(h)
-                if parent is not None:
-                    last[4].append(parent)
-                return
-        self.runs.append((kind, tier, from_tier, [h], [] if parent is None else [parent]))
-
-
 class TieredCache:
     """Owns the block hashes of one worker. Invariants: a hash is in at most one tier
     (``_where`` names it), and no tier holds more than its capacity after a call returns."""
 
-    __slots__ = ("_caps", "_fleet", "_tiers", "_where")
+    __slots__ = ("_caps", "_fleet", "_parent", "_tiers", "_where")
 
     def __init__(
         self,
@@ -85,6 +65,7 @@ class TieredCache:
         self._caps = (gpu_blocks, dram_blocks, disk_blocks)
         self._tiers: tuple[OrderedDict[int, None], ...] = (OrderedDict(), OrderedDict(), OrderedDict())
         self._where: dict[int, int] = {}
+        self._parent: dict[int, int] = {}  # what KvEvents name as each held block's parent
         self._fleet = fleet  # None: plain LRU
 
     def tier_of(self, h: int) -> int | None:
@@ -108,13 +89,13 @@ class TieredCache:
     def capacity(self, tier: int) -> int:
         return self._caps[tier]
 
-    def access(self, hashes: list[int], parents: list[int]) -> list[Change]:
+    def access(self, hashes: list[int], parents: list[int]) -> list[EventRun]:
         """One prompt, the way the live engine drives its KvCacheManager: the leading run held here
         is reused (lower-tier blocks promoted to the GPU tier, the run's blocks kept from eviction
         meanwhile), room is made for the rest, the missing blocks are stored, and the prompt's blocks
         become the most recent, last to first (kvmesh_core.eviction: the head is kept longest). A
         block held here after a gap in the run stays where it is (the live commit keeps its copy)."""
-        log = _ChangeLog()
+        log = EventRuns()
         where = self._where
         gpu = self._tiers[0]
         run = 0
@@ -132,7 +113,7 @@ class TieredCache:
                 del self._tiers[t][h]
                 gpu[h] = None
                 where[h] = 0
-                log.add("moved", TIERS[0], TIERS[t], h)
+                log.add("moved", TIERS[0], h, self._parent[h], TIERS[t])
             used.append(h)
         rest = len(hashes) - len(used)
         if rest and self._make_room(0, rest, log, busy):
@@ -141,21 +122,22 @@ class TieredCache:
                     continue
                 gpu[h] = None
                 where[h] = 0
-                log.add("stored", TIERS[0], None, h, parent)
+                log.add("stored", TIERS[0], h, parent)
+                self._parent[h] = parent
                 if self._fleet is not None:
                     self._fleet.add(h)
                 used.append(h)
         for h in reversed(used):
             gpu.move_to_end(h)
-        return log.runs
+        return log.drain()
 
-    def insert(self, hashes: list[int], parents: list[int], tier: int) -> list[Change]:
+    def insert(self, hashes: list[int], parents: list[int], tier: int) -> list[EventRun]:
         """Add the ``hashes`` held nowhere here to ``tier`` as its most recently used, falling back to
         lower tiers when it has no room (blocks pulled from a peer: the live ``commit_blocks``). A
         tier of capacity 0 means the GPU tier."""
         if self._caps[tier] == 0:
             tier = 0
-        log = _ChangeLog()
+        log = EventRuns()
         where = self._where
         for h, parent in zip(hashes, parents, strict=True):
             if h in where:
@@ -167,16 +149,17 @@ class TieredCache:
                 break
             self._tiers[placed][h] = None
             where[h] = placed
-            log.add("stored", TIERS[placed], None, h, parent)
+            log.add("stored", TIERS[placed], h, parent)
+            self._parent[h] = parent
             if self._fleet is not None:
                 self._fleet.add(h)
-        return log.runs
+        return log.drain()
 
     def _held_elsewhere(self) -> HeldElsewhere | None:
         return self._fleet.held_elsewhere if self._fleet is not None else None
 
     def _make_room(
-        self, tier: int, n: int, log: _ChangeLog, busy: AbstractSet[int], keep: int | None = None
+        self, tier: int, n: int, log: EventRuns, busy: AbstractSet[int], keep: int | None = None
     ) -> bool:
         """Evict from ``tier`` until ``n`` slots are free: the victim by the fleet rule among its
         least recent blocks other than ``busy`` and ``keep``, demoted or dropped. False when every
@@ -192,7 +175,7 @@ class TieredCache:
             self._demote(tier, h, log, busy)
         return True
 
-    def _demote(self, tier: int, h: int, log: _ChangeLog, busy: AbstractSet[int]) -> None:
+    def _demote(self, tier: int, h: int, log: EventRuns, busy: AbstractSet[int]) -> None:
         """A victim of ``tier`` goes one tier down with room made there, or is dropped
         (kvmesh_core.eviction: DRAM keeps a block on disk only when it is the fleet's last copy)."""
         below: tuple[int, ...] = ()
@@ -205,9 +188,9 @@ class TieredCache:
             if self._caps[b] and self._make_room(b, 1, log, busy, keep=h):
                 self._tiers[b][h] = None
                 self._where[h] = b
-                log.add("moved", TIERS[b], TIERS[tier], h)
+                log.add("moved", TIERS[b], h, self._parent[h], TIERS[tier])
                 return
         del self._where[h]
         if self._fleet is not None:
             self._fleet.remove(h)
-        log.add("removed", TIERS[tier], None, h)
+        log.add("removed", TIERS[tier], h, self._parent.pop(h))

@@ -29,10 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.sim.cache import Change, FleetHolders, TieredCache
+from kvmesh.sim.cache import FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
 from kvmesh.sim.truth import TruthScale
 from kvmesh_core.costmodel import PerfProfile, decode_ms, prefill_ctx, promote_ms, recompute_ms, transfer_ms
+from kvmesh_core.event_runs import EventRun
 from kvmesh_core.fetching import Step, chain_parents, plan_step
 from kvmesh_core.reuse import reusable_blocks
 from schemas.messages import (
@@ -366,11 +367,15 @@ class SimWorker:
     def _store(self, hashes: list[int], parents: list[int], job: Job, now_ms: float) -> None:
         self._publish(self.cache.access(hashes, parents), job, now_ms)
 
-    def _publish(self, changes: list[Change], job: Job, now_ms: float) -> None:
+    def _publish(self, runs: list[EventRun], job: Job, now_ms: float) -> None:
         t = int(now_ms)
         sid = job.request.session_id
-        for kind, tier, from_tier, hs, ps in changes:
-            self._emit(KvEvent(self.worker_id, kind, tier, hs, ps, from_tier, sid, t), now_ms)  # type: ignore[arg-type]
+        for r in runs:
+            # as the live engine: the session is named on the blocks its prefill stored
+            session = sid if r.kind == "stored" else None
+            # r.kind is one of KvEvent's kinds (stored, moved, removed)
+            ev = KvEvent(self.worker_id, r.kind, r.tier, r.hashes, r.parents, r.from_tier, session, t)  # type: ignore[arg-type]
+            self._emit(ev, now_ms)
 
     def _advance_decode(self, steps: int, now_ms: float) -> None:
         still: list[Job] = []

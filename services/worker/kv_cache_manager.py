@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kvmesh_core.event_runs import EventRuns
 from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, pick_victim
 from schemas.blocks import ROOT_HASH
 from schemas.messages import KvEvent, TierUsage
@@ -64,16 +65,6 @@ class PrefixHit:
     promoted: int  # how many of them came up from DRAM or disk
 
 
-@dataclass(slots=True)
-class _PendingEvent:
-    kind: str
-    tier: str
-    from_tier: str | None
-    session_id: str | None
-    hashes: list[int]
-    parents: list[int]
-
-
 class KvCacheManager:
     """Owns the GPU pool, the DRAM and disk tiers, block metadata and the KV event log of one worker."""
 
@@ -100,7 +91,7 @@ class KvCacheManager:
         self.disk = HostTier("disk", layout, disk_blocks, disk_path)
         self._tiers = {"dram": self.dram, "disk": self.disk}
         self._meta: dict[int, BlockMeta] = {}
-        self._events: list[_PendingEvent] = []
+        self._events = EventRuns()
         self._lock = threading.RLock()
         self._gpu_pins: dict[int, int] = {}
         self._reads: dict[int, list[tuple[str, int]]] = {}
@@ -254,7 +245,7 @@ class KvCacheManager:
             self.dram.reset()
             self.disk.reset()
             self._meta.clear()
-            self._events.clear()
+            self._events.drain()
             self._gpu_pins.clear()
             self._reads.clear()
             return [KvEvent(worker_id=self.worker_id, kind="cleared", tier="gpu", block_hashes=[])]
@@ -265,20 +256,18 @@ class KvCacheManager:
     def drain_kv_events(self) -> list[KvEvent]:
         """The events recorded since the last drain, consecutive ones of the same kind merged."""
         with self._lock:
-            out = [
+            return [
                 KvEvent(
                     worker_id=self.worker_id,
-                    kind=e.kind,  # type: ignore[arg-type]
+                    kind=e.kind,  # type: ignore[arg-type]  # EventRun.kind is one of KvEvent's kinds
                     tier=e.tier,
                     block_hashes=e.hashes,
                     parent_hashes=e.parents,
                     from_tier=e.from_tier,
                     session_id=e.session_id,
                 )
-                for e in self._events
+                for e in self._events.drain()
             ]
-            self._events = []
-            return out
 
     def holdings_events(self, max_blocks_per_event: int = HOLDINGS_CHUNK) -> list[KvEvent]:
         """Everything this worker holds as ``stored`` events, per tier (GPU, DRAM, disk) with parent
@@ -490,17 +479,7 @@ class KvCacheManager:
         from_tier: str | None = None,
         session_id: str | None = None,
     ) -> None:
-        last = self._events[-1] if self._events else None
-        if last and (last.kind, last.tier, last.from_tier, last.session_id) == (
-            kind,
-            tier,
-            from_tier,
-            session_id,
-        ):
-            last.hashes.append(h)
-            last.parents.append(parent)
-        else:
-            self._events.append(_PendingEvent(kind, tier, from_tier, session_id, [h], [parent]))
+        self._events.add(kind, tier, h, parent, from_tier, session_id)
 
 
 __all__ = ["ROOT_HASH", "BlockMeta", "KvCacheManager", "PrefixHit"]

@@ -3,8 +3,9 @@
 The same access sequences (prompts that share prefixes, as conversations do) go to the live cache, as
 the built-in engine drives it (reuse the leading held run, allocate and commit the rest, release), and
 to the simulator's TieredCache. After every access both hold the same blocks in the same tiers: the
-same victims were chosen, the same demotions and drops made. With a fleet (blocks other workers hold
-are evicted first, and dropped from DRAM rather than kept on disk) too.
+same victims were chosen, the same demotions and drops made, and both announce them with the same
+KvEvents. With a fleet (blocks other workers hold are evicted first, and dropped from DRAM rather than
+kept on disk) too.
 """
 
 from __future__ import annotations
@@ -82,11 +83,20 @@ def _run(
             hashes, parents = _chain(doc, n)
             if pulled:
                 _live_fetch(kv, hashes, parents)
-                sim.insert(hashes, parents, 1)
+                sim_runs = sim.insert(hashes, parents, 1)
             else:
                 _live_access(kv, hashes, parents)
-                sim.access(hashes, parents)
-            assert _tiers_live(kv) == _tiers_sim(sim, universe), f"after step {step}: {(doc, n, pulled)}"
+                sim_runs = sim.access(hashes, parents)
+            where = f"after step {step}: {(doc, n, pulled)}"
+            assert _tiers_live(kv) == _tiers_sim(sim, universe), where
+            # and they announce it with the same KvEvents, run by run
+            live_events = [
+                (e.kind, e.tier, e.from_tier, list(e.block_hashes), list(e.parent_hashes))
+                for e in kv.drain_kv_events()
+            ]
+            assert live_events == [(r.kind, r.tier, r.from_tier, r.hashes, r.parents) for r in sim_runs], (
+                where
+            )
     finally:
         kv.close()
 

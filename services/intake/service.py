@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from types import TracebackType
 
+from kvmesh_core.runtime import rolled_back_on_failure
 from kvmesh_core.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
 from schemas.errors import RecordTooLarge, SchemaError
 from schemas.messages import BASE_FEATURES, ChatRequest, SamplingParams, StructuredOutput
@@ -108,12 +109,9 @@ class IntakeService:
         return consumer.metrics if consumer is not None else None
 
     async def start(self) -> None:
-        await self.client.start()
-        try:
+        async with rolled_back_on_failure(self.stop):
+            await self.client.start()
             await self._feed.start()
-        except BaseException:
-            await self.client.stop()
-            raise
         log.info("intake %s connected to the fleet", self.settings.intake_id)
 
     async def stop(self) -> None:

@@ -1,10 +1,10 @@
 """Exact replay: re-decide every recorded assignment on exactly the inputs the live scheduler had.
 
 A live scheduler stamps each Assignment with :class:`~schemas.messages.DecisionInputs`: for every
-state partition (kv-events, load, control, replies) the next offset it had not applied, where it began
-reading each one, and its ``now_ms``. The replay keeps one FleetView and Router per scheduler run
-(``scheduler_id``; a ``decision_seq`` that goes back starts a new run), and for each recorded
-assignment, in ``decision_seq`` order (the FairDispatcher's dispatch order):
+state partition (kv-events, load, control, replies, and the assignments of every replica) the next
+offset it had not applied, where it began reading each one, and its ``now_ms``. The replay keeps one
+FleetView and Router per scheduler run (``scheduler_id``; a ``decision_seq`` that goes back starts a
+new run), and for each recorded assignment, in ``decision_seq`` order (the FairDispatcher's order):
 
 1. applies every state record of each partition from where it stands up to the recorded position,
    ordered across partitions by (timestamp, partition, offset) as the live loop interleaved them;
@@ -48,7 +48,7 @@ from streams.recording import RawRecord
 from streams.topics import ASSIGNMENTS, CONTROL, KV_EVENTS, LOAD, REPLIES
 
 #: Topics whose records make up the scheduler's view.
-STATE_TOPICS = (KV_EVENTS.name, LOAD.name, CONTROL.name, REPLIES.name)
+STATE_TOPICS = (KV_EVENTS.name, LOAD.name, CONTROL.name, REPLIES.name, ASSIGNMENTS.name)
 
 
 class HeldView(FleetView):
@@ -262,10 +262,11 @@ class _Run:
     fresh_upto: int = 0  # index into the time-ordered state list applied to the fresh view
 
 
-def _apply(view: FleetView, msg: Any) -> None:
+def _apply(view: FleetView, msg: Any, own_scheduler: str) -> None:
     if isinstance(msg, LoadReport) and not env_report_check().accept(msg):
         return  # the live scheduler dropped what does not verify
-    view.apply(msg)
+    # other replicas' assignments are pending load, as the live replica counted them
+    view.apply(msg, own_scheduler=own_scheduler)
 
 
 def _order(s: _State) -> tuple[int, str, int]:
@@ -379,14 +380,14 @@ def _replay_one(
         batch.extend(s for o, s in recs.items() if start <= o < upto and s.message is not None)
         run.applied[key] = max(run.applied.get(key, 0), upto)
     for s in sorted(batch, key=_order):
-        _apply(run.view, s.message)
+        _apply(run.view, s.message, run.router.scheduler_id)
     why.extend(run.lost)
     # the fresh view: every state record that existed by the assignment's time
     while run.fresh_upto < len(timeline) and timeline[run.fresh_upto].timestamp_ms <= rec.timestamp_ms:
         s = timeline[run.fresh_upto]
         run.fresh_upto += 1
         if s.message is not None:
-            _apply(run.fresh, s.message)
+            _apply(run.fresh, s.message, run.router.scheduler_id)
     lag = (
         _lag(parts, offsets, positions, run.since, rec.timestamp_ms, now) if run.positions is not None else 0
     )

@@ -46,6 +46,9 @@ class SchedulerSettings(ShellSettings):
     use_snapshot: bool = True
     # Read Completions from the replies topic to free per-tenant in-flight slots.
     track_completions: bool = True
+    # Read every replica's Assignments, so that work another replica sent a worker counts as pending
+    # load in this replica's queue estimates too.
+    share_load: bool = True
     # While requests are held, mark decisions in Redis so that a replica taking over after a crash
     # skips the requests it reads again that were already decided (held_requests.py).
     mark_decided: bool = True

@@ -133,12 +133,18 @@ class SchedulerService:
             await self._producer.start()
             offsets = await self._cold_start()
             topics = [KV_EVENTS, LOAD, CONTROL] + ([REPLIES] if s.track_completions else [])
+            # Every replica's assignments: what another replica just sent a worker is pending load
+            # there in this replica's estimate too (otherwise each sees 1/N of the fleet's queue).
+            topics += [ASSIGNMENTS] if s.share_load else []
             self._state = TypedConsumer(s.kafka, topics, None, from_beginning=True, dlq=self._producer)
             await self._state.start()
-            if s.track_completions:
-                # only Completions of requests decided from now on matter
+            # only Completions of requests decided from now on matter, and only assignments made from
+            # now on are still pending (older ones decayed or completed)
+            recent = {REPLIES.name} if s.track_completions else set()
+            recent |= {ASSIGNMENTS.name} if s.share_load else set()
+            if recent:
                 ends = await self._state.end_offsets()
-                offsets.update({tp: off for tp, off in ends.items() if tp[0] == REPLIES.name})
+                offsets.update({tp: off for tp, off in ends.items() if tp[0] in recent})
             if offsets:
                 await self._state.seek(offsets)
                 # reading starts there: replies at their end, kv-events after the snapshot
@@ -369,6 +375,9 @@ class SchedulerService:
             self.view.apply(msg)
             self._assigned.pop(msg.request_id, None)
             self.metrics.completed(msg)
+        elif isinstance(msg, Assignment):
+            # another replica's decision (our own were noted when made): pending on its worker here too
+            self.view.apply(msg, own_scheduler=self.settings.scheduler_id)
 
     def _redispatch_from(self, worker_id: str, keep_epoch: int | None = None) -> None:
         """Queue again every request assigned to a lost (or restarted) worker that never completed,

@@ -164,6 +164,12 @@ class _Inflight:
     assign_ms: int
 
 
+def assigned_ms(a: Assignment) -> int:
+    """When an assignment was made, from its own fields (deterministic in replay): the deciding
+    replica's now_ms, or the request's arrival for a record without input positions."""
+    return a.inputs.now_ms if a.inputs is not None else a.request.arrival_ms
+
+
 class FleetView:
     """Owns the prefix index, the per-worker load state, pending work and in-flight requests.
 
@@ -217,11 +223,12 @@ class FleetView:
             self.routed = RoutedPrefixes(routed_max_blocks)
 
     # -- events ----------------------------------------------------------------------------------
-    def apply(self, msg: object) -> int | None:
-        """Apply one state message (KvEvent, LoadReport, WorkerLost, Completion), the one dispatch the
-        scheduler, replay and the simulator share; returns the event time it carries (ms; None for a
-        Completion or any other type, which changes nothing here). Callers check report signatures
-        before (schemas.report_signing)."""
+    def apply(self, msg: object, own_scheduler: str | None = None) -> int | None:
+        """Apply one state message (KvEvent, LoadReport, WorkerLost, Completion, another replica's
+        Assignment), the one dispatch the scheduler, replay and the simulator share; returns the event
+        time it carries (ms; None for a Completion, an Assignment or any other type). Callers check
+        report signatures before (schemas.report_signing). An Assignment of ``own_scheduler`` is
+        skipped: the router noted it when it made it."""
         if isinstance(msg, KvEvent):
             self.apply_kv_event(msg)
             return msg.event_ms
@@ -233,6 +240,8 @@ class FleetView:
             return msg.declared_ms
         if isinstance(msg, Completion):
             self.note_completion(msg)
+        elif isinstance(msg, Assignment) and msg.scheduler_id != own_scheduler:
+            self.note_assignment(msg, assigned_ms(msg))
         return None
 
     def apply_kv_event(self, ev: KvEvent) -> None:

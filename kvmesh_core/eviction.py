@@ -26,17 +26,20 @@ def pick_victim(
     window: Sequence[int], held_elsewhere: HeldElsewhere | None, retained: Container[int] = ()
 ) -> int | None:
     """Index into ``window`` (evictable blocks, least recent first, at most VICTIM_WINDOW) of the
-    block to evict; None when there is none."""
+    block to evict; None when there is none. The first block with the best possible key ends the
+    search (this runs on every eviction)."""
     if not window:
         return None
     if held_elsewhere is None and not retained:
         return 0
-
-    def key(i: int) -> tuple[int, int, int]:
-        h = window[i]
-        return (0 if held_elsewhere is not None and held_elsewhere(h) else 1, 1 if h in retained else 0, i)
-
-    return min(range(len(window)), key=key)
+    best, best_key = 0, (2, 2)
+    for i, h in enumerate(window):
+        key = (0 if held_elsewhere is not None and held_elsewhere(h) else 1, 1 if h in retained else 0)
+        if key < best_key:
+            best, best_key = i, key
+            if key == (0, 0):
+                break
+    return best
 
 
 def dram_victim_to_disk(h: int, held_elsewhere: HeldElsewhere | None, retained: Container[int] = ()) -> bool:

@@ -165,9 +165,12 @@ class TieredCache:
         least recent blocks other than ``busy`` and ``keep``, demoted or dropped. False when every
         block is busy."""
         store = self._tiers[tier]
+        held = self._held_elsewhere()
+        # plain LRU needs only the first candidate; the fleet rule looks at a window of them
+        width = VICTIM_WINDOW if held is not None else 1
         while self._caps[tier] - len(store) < n:
-            window = list(islice((h for h in store if h not in busy and h != keep), VICTIM_WINDOW))
-            i = pick_victim(window, self._held_elsewhere())
+            window = list(islice((h for h in store if h not in busy and h != keep), width))
+            i = pick_victim(window, held)
             if i is None:
                 return False
             h = window[i]

@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from kvmesh_core.errors import KvmeshError
-from schemas.blocks import DEFAULT_BLOCK_SIZE, block_hashes, tenant_namespace
+from schemas.blocks import DEFAULT_BLOCK_SIZE
+from schemas.chat_requests import chat_request
 from schemas.messages import ChatRequest
 
 #: Token ids synthesized by the generators stay below this (a Llama-sized vocabulary).
@@ -63,17 +64,14 @@ def make_request(
     public_prefix_tokens: int = 0,
 ) -> ChatRequest:
     """A ChatRequest with the block hashes intake would compute for ``tokens``."""
-    namespace = tenant_namespace(tenant)
-    return ChatRequest(
+    return chat_request(
+        tokens,
         request_id=request_id,
         session_id=session_id,
         tenant=tenant,
-        token_ids=tokens.tolist(),
-        block_hashes=block_hashes(tokens, block_size, namespace, public_prefix_tokens),
         block_size=block_size,
         max_tokens=max(1, int(max_tokens)),
         arrival_ms=int(arrival_ms),
-        namespace=namespace,
         public_prefix_tokens=public_prefix_tokens,
     )
 

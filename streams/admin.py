@@ -60,7 +60,9 @@ async def _create_one(admin: AIOKafkaAdminClient, spec: TopicSpec, kafka: KafkaS
     name = topic_name(spec, kafka)
     last_error: object = None
     for configs in (_topic_configs(spec), {}):
-        topic = NewTopic(name, num_partitions=spec.partitions, replication_factor=1, topic_configs=configs)
+        topic = NewTopic(
+            name, num_partitions=kafka.partitions_of(spec), replication_factor=1, topic_configs=configs
+        )
         try:
             response = await admin.create_topics([topic])
         except TopicAlreadyExistsError:
@@ -72,7 +74,7 @@ async def _create_one(admin: AIOKafkaAdminClient, spec: TopicSpec, kafka: KafkaS
         errors = [(t[0], t[1]) for t in getattr(response, "topic_errors", [])]
         codes = [code for _, code in errors if code != 0]
         if not codes or all(_already_exists(c) for c in codes):
-            log.debug("topic %s ready (%d partitions)", name, spec.partitions)
+            log.debug("topic %s ready (%d partitions)", name, kafka.partitions_of(spec))
             return
         last_error = codes
         log.info("broker refused %s with configs %s (error %s); retrying without", name, configs, codes)

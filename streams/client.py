@@ -28,7 +28,8 @@ from typing import Any
 
 from kvmesh_core.errors import KvmeshError
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, Tokenizer, render_chat
-from schemas.blocks import DEFAULT_BLOCK_SIZE, block_hashes, tenant_namespace
+from schemas.blocks import DEFAULT_BLOCK_SIZE
+from schemas.chat_requests import chat_request
 from schemas.messages import CancelRequest, ChatRequest, Completion, SamplingParams, TokenChunk
 from streams import topics
 from streams.clock import now_ms
@@ -380,20 +381,17 @@ class KvmeshClient:
             else render_chat(self.tokenizer, list(messages or ()), tools=tools)
         )
         _, public_tokens = self.match_public_prefix(ids)
-        namespace = tenant_namespace(tenant)
-        return ChatRequest(
+        return chat_request(
+            ids,
             request_id=request_id or uuid.uuid4().hex,
             session_id=session_id or uuid.uuid4().hex,
             tenant=tenant,
-            token_ids=ids,
-            block_hashes=block_hashes(ids, self.block_size, namespace, public_tokens),
             block_size=self.block_size,
             max_tokens=max_tokens,
             arrival_ms=now_ms() if arrival_ms is None else arrival_ms,
+            public_prefix_tokens=public_tokens,
             sampling=sampling or SamplingParams(),
             deadline_ms=deadline_ms,
-            namespace=namespace,
-            public_prefix_tokens=public_tokens,
             model=self.model,
             reply_topic=self.reply_spec.name,
             stop_token_ids=list(stop_token_ids),

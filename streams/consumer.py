@@ -194,7 +194,7 @@ class TypedConsumer:
                 tps: list[TopicPartition] = []
                 for spec in self.topics:
                     name = topic_name(spec, k)
-                    parts = consumer.partitions_for_topic(name) or set(range(spec.partitions))
+                    parts = consumer.partitions_for_topic(name) or set(range(k.partitions_of(spec)))
                     tps.extend(TopicPartition(name, p) for p in sorted(parts))
                 consumer.assign(tps)
             if self.group_id is None or self.assign is not None:

@@ -40,13 +40,11 @@ class PublishError(StreamsError):
     retriable = True
 
 
-def partition_for(topic: TopicSpec, key: str) -> int:
-    """The partition aiokafka's DefaultPartitioner picks for ``key`` on ``topic``.
-
-    Assumes the topic has ``topic.partitions`` partitions, as :func:`streams.admin.ensure_topics`
-    creates it.
-    """
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % topic.partitions
+def partition_for(topic: TopicSpec, key: str, partitions: int | None = None) -> int:
+    """The partition aiokafka's DefaultPartitioner picks for ``key`` on ``topic`` when the topic has
+    ``partitions`` partitions (default: the catalog's count; pass the broker's actual count, from
+    :meth:`TypedProducer.partition_count`, where it may differ)."""
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % (partitions or topic.partitions)
 
 
 def producer_options(kafka: KafkaSettings) -> dict[str, Any]:
@@ -124,6 +122,12 @@ class TypedProducer:
             raise NotStarted(f"producer {self.producer_id!r} is not started")
         return self._producer
 
+    async def partition_count(self, topic: TopicSpec) -> int:
+        """How many partitions ``topic`` has on the broker now (metadata; the catalog's count if the
+        broker does not say): what a record's key is hashed over."""
+        parts = await self._require().partitions_for(topic_name(topic, self.kafka))
+        return len(parts) if parts else self.kafka.partitions_of(topic)
+
     async def send(self, topic: TopicSpec, message: Any, key: str | None = None, *, wait: bool = True) -> Any:
         """Encode ``message`` in an envelope and publish it on ``topic``.
 
@@ -164,6 +168,7 @@ class TypedProducer:
         value: bytes,
         key: bytes | str | None = None,
         headers: Sequence[tuple[str, bytes]] | None = None,
+        partition: int | None = None,
     ) -> Any:
         """Publish bytes as they are on the broker topic named ``topic`` (no envelope, no prefix added).
 
@@ -172,7 +177,9 @@ class TypedProducer:
         producer = self._require()
         kbytes = key.encode() if isinstance(key, str) else key
         try:
-            fut = await producer.send(topic, value, key=kbytes, headers=list(headers or []))
+            fut = await producer.send(
+                topic, value, key=kbytes, headers=list(headers or []), partition=partition
+            )
             return await fut
         except KafkaError as exc:
             raise PublishError(f"raw send to {topic} failed: {exc}") from exc

@@ -132,7 +132,7 @@ async def record_topics(
         for spec in topics:
             name = topic_name(spec, kafka)
             catalog[name] = spec.name
-            parts = consumer.partitions_for_topic(name) or set(range(spec.partitions))
+            parts = consumer.partitions_for_topic(name) or set(range(kafka.partitions_of(spec)))
             tps.extend(TopicPartition(name, p) for p in sorted(parts))
         consumer.assign(tps)
         started_ms = wall_ms()

@@ -5,11 +5,14 @@ Secrets are ``SecretStr``: they reach aiokafka and redis-py but never a log line
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import SecretStr, field_serializer
+from pydantic import Field, SecretStr, field_serializer, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from streams.topics import TopicSpec
 
 
 class KafkaSettings(BaseSettings):
@@ -45,6 +48,23 @@ class KafkaSettings(BaseSettings):
     # idle consumer ~40 fetches/s (~1% of a core each, plus broker time). Kafka proper answers early,
     # so a larger value is fine there.
     fetch_max_wait_ms: int = 25
+    # Partitions per catalog topic, overriding the catalog's defaults (streams.topics), e.g.
+    # KVMESH_KAFKA_PARTITIONS='{"kvmesh.requests": 32, "kvmesh.assignments": 64}'. Used when topics
+    # are created; consumers and the worker's own partition follow the broker's actual counts. See
+    # docs/deploying.md for counts per fleet size.
+    partitions: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("partitions")
+    @classmethod
+    def _positive_partitions(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {k: n for k, n in v.items() if n < 1}
+        if bad:
+            raise ValueError(f"partition counts must be at least 1: {bad}")
+        return v
+
+    def partitions_of(self, spec: TopicSpec) -> int:
+        """The partition count to create catalog topic ``spec`` with."""
+        return int(self.partitions.get(spec.name, spec.partitions))
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments common to AIOKafkaProducer and AIOKafkaConsumer."""

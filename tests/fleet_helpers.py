@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmesh_core.tokenizer import ByteTokenizer
-from schemas.blocks import block_hashes, tenant_namespace
+from schemas import chat_requests
+from schemas.blocks import tenant_namespace
 from schemas.messages import Assignment, ChatRequest, Estimate
 from streams.clock import now_ms
 from streams.consumer import TypedConsumer
@@ -36,16 +37,14 @@ def chat_request(
     rid: str, tokens: list[int], *, session: str | None = None, max_tokens: int = 4
 ) -> ChatRequest:
     """A tenant-``acme`` request for ``tokens`` with the block hashes intake would compute."""
-    return ChatRequest(
+    return chat_requests.chat_request(
+        tokens,
         request_id=rid,
         session_id=session or f"s-{rid}",
         tenant="acme",
-        token_ids=tokens,
-        block_hashes=block_hashes(tokens, BS, NS),
         block_size=BS,
         max_tokens=max_tokens,
         arrival_ms=now_ms(),
-        namespace=NS,
     )
 
 

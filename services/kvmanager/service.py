@@ -132,7 +132,8 @@ class KvManagerService:
             await ensure_topics(s.kafka)
             self.producer = TypedProducer(s.kafka, s.manager_id)
             await self.producer.start()
-            assign = [(spec, p) for spec in INPUT_TOPICS for p in range(spec.partitions)]
+            counts = [await self.producer.partition_count(spec) for spec in INPUT_TOPICS]
+            assign = [(spec, p) for spec, n in zip(INPUT_TOPICS, counts, strict=True) for p in range(n)]
             self.consumer = TypedConsumer(s.kafka, [], None, from_beginning=True, dedup=False, assign=assign)
             await self.consumer.start()
             resume = {

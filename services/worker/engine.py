@@ -36,7 +36,6 @@ from kvmesh_core.reuse import reusable_blocks
 from kvmesh_core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import BASE_FEATURES, KvEvent, TokenLogprob
-from services.worker.calibration import calibration_lengths, fit_prefill_cost
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
@@ -483,88 +482,10 @@ class Engine:
     # ---- calibration -------------------------------------------------------------------------
     @torch.inference_mode()
     def calibrate(self, short: int = 256, long: int = 2048, decode_ctx: int = 256) -> PerfProfile:
-        """Measure this machine: prefill cost per token (a) and per token of context (b) fitted over
-        prompt lengths from ``short`` to ``long``, ``t(n) = n * (a + b * n / 2)``, and the time of one
-        decode step. Long enough prompts that the attention term shows above timing noise."""
-        bs = self.layout.block_size
-        # the longest prompt must fit the context and the GPU tier, like any request
-        long = min(long, self.max_context - 64, (self.kv.pool.num_blocks - 2) * bs)
-        short = max(min(short, long // 2), bs)
-        gen = torch.Generator().manual_seed(self.cfg.seed)
-        vocab = min(self.model_cfg.vocab_size, 256)
-        was_empty = not self.has_work() and not any(self.kv.held_hashes().values())
-        runs = [0]
+        """Measure this machine (services.worker.builtin_calibration)."""
+        from services.worker.builtin_calibration import calibrate
 
-        def timed_prefill(n: int) -> float:
-            """Time to first token of an n-token prompt through the real engine path (paged KV
-            writes, chunked prefill), which is what the scheduler's estimates must predict."""
-            best = float("inf")
-            for _ in range(3):  # best of three: the machine may be busy with other processes
-                runs[0] += 1
-                toks = torch.randint(0, vocab, (n,), generator=gen).tolist()
-                ns = b"kvmesh-calibration:%d" % runs[0]  # its own namespace: never a cache hit
-                req = EngineRequest(
-                    request_id=f"calibration-{runs[0]}",
-                    session_id="calibration",
-                    token_ids=toks,
-                    block_hashes=block_hashes(toks, bs, ns),
-                    namespace=ns,
-                    max_tokens=1,
-                )
-                self._sync()
-                t0 = time.perf_counter()
-                self.add_request(req)
-                while self.has_work():
-                    self.step()
-                self._sync()
-                best = min(best, (time.perf_counter() - t0) * 1e3)
-            return best
-
-        timed_prefill(bs * 2)  # warm-up (allocator, kernels)
-        a, b = fit_prefill_cost([(n, timed_prefill(n)) for n in calibration_lengths(short, long)])
-        # calibration prompts are no one's cache: forget them (and their events) on an idle engine;
-        # on a busy one they stay and age out by LRU like any unused block
-        if was_empty:
-            self.kv.clear()
-
-        toks = torch.randint(0, vocab, (1, decode_ctx), generator=gen).to(self.device)
-        _, kv = self.model(toks, torch.arange(decode_ctx, device=self.device)[None])
-        one = toks[:, -1:]
-        pos = torch.tensor([[decode_ctx]], device=self.device)
-        steps = []
-        for _ in range(5):
-            self._sync()
-            t0 = time.perf_counter()
-            self.model(one, pos, past=kv)
-            self._sync()
-            steps.append((time.perf_counter() - t0) * 1e3)
-        decode = sorted(steps)[len(steps) // 2]
-
-        dram_gbps = self._measure_dram_gbps()
-        return PerfProfile(
-            prefill_ms_per_token=a,
-            prefill_ms_per_token_per_ctx=b,
-            decode_ms_per_step=decode,
-            link_gbps=1.0,
-            link_latency_ms=1.0,
-            block_bytes=self.layout.nbytes,
-            block_size=self.layout.block_size,
-            dram_gbps=dram_gbps,
-            gpu_blocks=self.kv.pool.num_blocks,
-            dram_blocks=self.kv.dram.capacity,
-            disk_blocks=self.kv.disk.capacity,
-        )
-
-    def _measure_dram_gbps(self) -> float:
-        n = min(32, self.kv.pool.num_blocks)
-        src = self.kv.pool.tensor[:n]
-        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.device.type == "cuda")
-        self._sync()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        self._sync()
-        dt = max(time.perf_counter() - t0, 1e-6)
-        return max(n * self.layout.nbytes / dt / 1e9, 0.1)
+        return calibrate(self, short, long, decode_ctx)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

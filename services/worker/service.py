@@ -117,6 +117,8 @@ class WorkerService:
         self._draining = False
         self._last_load: tuple[int, int, int] | None = None
         self._started_ms = 0
+        self._keyed_counts = (0, 0)  # partitions of assignments and control the consumers follow
+        self._keyed_parts: dict[str, set[int]] = {}  # every partition this worker's key mapped to
         from services.worker.transfer import TransferMetrics
 
         self.transfer_metrics = TransferMetrics()
@@ -198,39 +200,19 @@ class WorkerService:
 
         self._producer = TypedProducer(s.kafka, producer_id=self.worker_id)
         await self._producer.start()
-        part = partition_for(topics.ASSIGNMENTS, self.worker_id)
-        self._assignments = TypedConsumer(
-            s.kafka,
-            [topics.ASSIGNMENTS],
-            group_id=f"kvmesh-worker-{self.worker_id}",
-            assign=[(topics.ASSIGNMENTS, part)],
-            key_filter=self.worker_id,
-            dlq=self._producer,
-        )
-        cpart = partition_for(topics.CONTROL, self.worker_id)
-        self._control = TypedConsumer(
-            s.kafka,
-            [topics.CONTROL],
-            group_id=f"kvmesh-worker-{self.worker_id}-control",
-            assign=[(topics.CONTROL, cpart)],
-            key_filter=self.worker_id,
-            dlq=self._producer,
-        )
+        await self._open_keyed_consumers()
         # Other workers' copies: read from the end (what was stored before we started is unknown,
         # which only makes eviction keep more than it must), no group, nothing committed.
         self._fleet_state = TypedConsumer(
             s.kafka, [topics.KV_EVENTS, topics.CONTROL], group_id=None, from_beginning=False
         )
-        await self._assignments.start()
-        await self._control.start()
         await self._fleet_state.start()
         self.engine.set_fleet_copies(self.fleet.copies)
         # Announce ourselves (and our measured speed) before any assignment can arrive.
         await self._publish_load(force=True)
         await self._publish_kv_events()
         self._tasks = [
-            asyncio.create_task(self._assignments.run(self._on_assignment_record), name="worker-assignments"),
-            asyncio.create_task(self._control.run(self._on_control_record), name="worker-control"),
+            *self._keyed_tasks(),
             asyncio.create_task(self._fleet_state.run(self._on_fleet_record), name="worker-fleet-state"),
             asyncio.create_task(self._engine_loop(), name="worker-engine"),
             asyncio.create_task(self._load_loop(), name="worker-load"),
@@ -241,6 +223,76 @@ class WorkerService:
             self.engine.describe(),
             self.transfer_address or "off",
         )
+
+    async def _open_keyed_consumers(self) -> None:
+        """Consumers of this worker's partition of the assignments and control topics, hashed over
+        the broker's actual partition counts (the producers hash keys over them; deployments set them
+        per fleet size). Every partition the worker's key ever mapped to stays assigned, so records
+        sent before partitions were added are still read; the key filter skips other workers'."""
+        assert self._producer is not None
+        s = self.settings
+        counts = (
+            await self._producer.partition_count(topics.ASSIGNMENTS),
+            await self._producer.partition_count(topics.CONTROL),
+        )
+        self._keyed_counts = counts
+        for spec, n in zip((topics.ASSIGNMENTS, topics.CONTROL), counts, strict=True):
+            self._keyed_parts.setdefault(spec.name, set()).add(partition_for(spec, self.worker_id, n))
+        self._assignments = TypedConsumer(
+            s.kafka,
+            [topics.ASSIGNMENTS],
+            group_id=f"kvmesh-worker-{self.worker_id}",
+            assign=[(topics.ASSIGNMENTS, p) for p in sorted(self._keyed_parts[topics.ASSIGNMENTS.name])],
+            key_filter=self.worker_id,
+            dlq=self._producer,
+        )
+        self._control = TypedConsumer(
+            s.kafka,
+            [topics.CONTROL],
+            group_id=f"kvmesh-worker-{self.worker_id}-control",
+            assign=[(topics.CONTROL, p) for p in sorted(self._keyed_parts[topics.CONTROL.name])],
+            key_filter=self.worker_id,
+            dlq=self._producer,
+        )
+        await self._assignments.start()
+        await self._control.start()
+
+    def _keyed_tasks(self) -> list[asyncio.Task[None]]:
+        assert self._assignments is not None and self._control is not None
+        return [
+            asyncio.create_task(self._assignments.run(self._on_assignment_record), name="worker-assignments"),
+            asyncio.create_task(self._control.run(self._on_control_record), name="worker-control"),
+        ]
+
+    async def _follow_partition_changes(self) -> None:
+        """Partitions added to the assignments or control topic move this worker's key: read the new
+        partition too (from the load loop, so a fleet can grow its topics under running workers)."""
+        if self._producer is None:
+            return
+        counts = (
+            await self._producer.partition_count(topics.ASSIGNMENTS),
+            await self._producer.partition_count(topics.CONTROL),
+        )
+        if counts == self._keyed_counts:
+            return
+        log.warning(
+            "worker %s: partitions of assignments/control went from %s to %s; following its key",
+            self.worker_id,
+            self._keyed_counts,
+            counts,
+        )
+        keyed = [t for t in self._tasks if t.get_name() in ("worker-assignments", "worker-control")]
+        for t in keyed:
+            t.cancel()
+        for t in keyed:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for c in (self._assignments, self._control):
+            if c is not None:
+                with contextlib.suppress(Exception):
+                    await c.stop()
+        await self._open_keyed_consumers()
+        self._tasks = [t for t in self._tasks if t not in keyed] + self._keyed_tasks()
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -591,6 +643,7 @@ class WorkerService:
             try:
                 await self._publish_kv_events()
                 await self._publish_load(force=True)
+                await self._follow_partition_changes()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

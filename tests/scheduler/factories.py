@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvmesh_core.costmodel import PROFILES
-from schemas.blocks import block_hashes, tenant_namespace
+from schemas.chat_requests import chat_request
 from schemas.messages import ChatRequest, KvEvent, LoadReport, TierUsage
 
 BS = 16
@@ -20,18 +20,15 @@ def request(
     deadline_ms: int | None = None,
     max_tokens: int = 8,
 ) -> ChatRequest:
-    ns = tenant_namespace(tenant)
-    return ChatRequest(
+    return chat_request(
+        tokens,
         request_id=rid,
         session_id=session or f"s-{rid}",
         tenant=tenant,
-        token_ids=tokens,
-        block_hashes=block_hashes(tokens, BS, ns),
         block_size=BS,
         max_tokens=max_tokens,
         arrival_ms=arrival_ms,
         deadline_ms=deadline_ms,
-        namespace=ns,
     )
 
 

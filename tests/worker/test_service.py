@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
+from schemas.chat_requests import chat_request
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent, LoadReport
 from services.worker.config import WorkerSettings
 from services.worker.service import WorkerService
@@ -27,17 +28,15 @@ NS = tenant_namespace("acme")
 
 
 def _request(rid: str, tokens: list[int], max_tokens: int = 12, **kw: object) -> ChatRequest:
-    return ChatRequest(
+    return chat_request(
+        tokens,
         request_id=rid,
         session_id="sess-1",
         tenant="acme",
-        token_ids=tokens,
-        block_hashes=block_hashes(tokens, 16, NS),
         block_size=16,
         max_tokens=max_tokens,
         arrival_ms=now_ms(),
-        namespace=NS,
-        **kw,  # type: ignore[arg-type]
+        **kw,
     )
 
 

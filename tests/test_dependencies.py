@@ -22,7 +22,8 @@ LIGHT_SERVICES = (
 )
 
 
-def test_light_services_import_without_heavy_packages() -> None:
+def _import_blocked(modules: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """Import ``modules`` in a fresh interpreter where every HEAVY package raises ImportError."""
     code = f"""
 import importlib, importlib.abc, sys
 
@@ -33,29 +34,21 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Block())
-for m in {LIGHT_SERVICES!r}:
+for m in {modules!r}:
     importlib.import_module(m)
 print("ok")
 """
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_light_services_import_without_heavy_packages() -> None:
+    r = _import_blocked(LIGHT_SERVICES)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def test_the_blocker_does_block() -> None:
     """The check above could pass vacuously if blocking failed: the worker must fail under it."""
-    code = f"""
-import importlib.abc, sys
-
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {HEAVY!r}:
-            raise ImportError("blocked: " + name)
-        return None
-
-sys.meta_path.insert(0, Block())
-import services.worker.service
-"""
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = _import_blocked(("services.worker.service",))
     assert r.returncode != 0 and "blocked: " in r.stderr
 
 

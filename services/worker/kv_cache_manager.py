@@ -221,7 +221,7 @@ class KvCacheManager:
                 return False
             self.pool.set_hash(block_id, block_hash)
             self._meta[block_hash] = BlockMeta(parent, namespace, "gpu", session_id)
-            self._emit("stored", "gpu", block_hash, parent, session_id=session_id)
+            self._events.add("stored", "gpu", block_hash, parent, session_id=session_id)
             return True
 
     def release(self, block_ids: list[int]) -> None:
@@ -370,7 +370,7 @@ class KvCacheManager:
                 if placed is None:
                     break
                 self._meta[h] = BlockMeta(parent, namespace, placed, None)
-                self._emit("stored", placed, h, parent)
+                self._events.add("stored", placed, h, parent)
                 inserted += 1
             return inserted
 
@@ -398,7 +398,7 @@ class KvCacheManager:
         b = self.pool.insert_cached(h, tier.get(h))
         assert b is not None
         tier.remove(h)
-        self._emit("moved", "gpu", h, m.parent, from_tier=m.tier)
+        self._events.add("moved", "gpu", h, m.parent, from_tier=m.tier)
         m.tier = "gpu"
         return b
 
@@ -434,7 +434,7 @@ class KvCacheManager:
             if tier.capacity and self._make_host_room(tier, keep=h) and tier.put(h, data):
                 self.pool.evict(b)
                 m.tier = name
-                self._emit("moved", name, h, m.parent, from_tier="gpu")
+                self._events.add("moved", name, h, m.parent, from_tier="gpu")
                 return
         self.pool.evict(b)
         self._drop(h, "gpu")
@@ -460,7 +460,7 @@ class KvCacheManager:
         tier.remove(h)
         if to_disk:
             m.tier = "disk"
-            self._emit("moved", "disk", h, m.parent, from_tier=tier.name)
+            self._events.add("moved", "disk", h, m.parent, from_tier=tier.name)
         else:
             self._drop(h, tier.name)
         return True
@@ -468,18 +468,7 @@ class KvCacheManager:
     def _drop(self, h: int, tier: str) -> None:
         m = self._meta.pop(h)
         self._retained.pop(h, None)
-        self._emit("removed", tier, h, m.parent)
-
-    def _emit(
-        self,
-        kind: str,
-        tier: str,
-        h: int,
-        parent: int,
-        from_tier: str | None = None,
-        session_id: str | None = None,
-    ) -> None:
-        self._events.add(kind, tier, h, parent, from_tier, session_id)
+        self._events.add("removed", tier, h, m.parent)
 
 
 __all__ = ["ROOT_HASH", "BlockMeta", "KvCacheManager", "PrefixHit"]

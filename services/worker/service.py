@@ -200,7 +200,7 @@ class WorkerService:
 
         self._producer = TypedProducer(s.kafka, producer_id=self.worker_id)
         await self._producer.start()
-        await self._open_keyed_consumers()
+        await self._open_keyed_consumers(await self._keyed_counts_now())
         # Other workers' copies: read from the end (what was stored before we started is unknown,
         # which only makes eviction keep more than it must), no group, nothing committed.
         self._fleet_state = TypedConsumer(
@@ -224,36 +224,36 @@ class WorkerService:
             self.transfer_address or "off",
         )
 
-    async def _open_keyed_consumers(self) -> None:
-        """Consumers of this worker's partition of the assignments and control topics, hashed over
-        the broker's actual partition counts (the producers hash keys over them; deployments set them
-        per fleet size). Every partition the worker's key ever mapped to stays assigned, so records
-        sent before partitions were added are still read; the key filter skips other workers'."""
+    async def _keyed_counts_now(self) -> tuple[int, int]:
+        """Partitions of the assignments and control topics on the broker now."""
         assert self._producer is not None
-        s = self.settings
-        counts = (
+        return (
             await self._producer.partition_count(topics.ASSIGNMENTS),
             await self._producer.partition_count(topics.CONTROL),
         )
+
+    async def _open_keyed_consumers(self, counts: tuple[int, int]) -> None:
+        """Consumers of this worker's partition of the assignments and control topics, hashed over
+        the broker's actual partition ``counts`` (the producers hash keys over them; deployments set
+        them per fleet size). Every partition the worker's key ever mapped to stays assigned, so
+        records sent before partitions were added are still read; the key filter skips other
+        workers'."""
         self._keyed_counts = counts
-        for spec, n in zip((topics.ASSIGNMENTS, topics.CONTROL), counts, strict=True):
-            self._keyed_parts.setdefault(spec.name, set()).add(partition_for(spec, self.worker_id, n))
-        self._assignments = TypedConsumer(
-            s.kafka,
-            [topics.ASSIGNMENTS],
-            group_id=f"kvmesh-worker-{self.worker_id}",
-            assign=[(topics.ASSIGNMENTS, p) for p in sorted(self._keyed_parts[topics.ASSIGNMENTS.name])],
-            key_filter=self.worker_id,
-            dlq=self._producer,
-        )
-        self._control = TypedConsumer(
-            s.kafka,
-            [topics.CONTROL],
-            group_id=f"kvmesh-worker-{self.worker_id}-control",
-            assign=[(topics.CONTROL, p) for p in sorted(self._keyed_parts[topics.CONTROL.name])],
-            key_filter=self.worker_id,
-            dlq=self._producer,
-        )
+
+        def keyed(spec: topics.TopicSpec, n: int, group: str) -> TypedConsumer:
+            parts = self._keyed_parts.setdefault(spec.name, set())
+            parts.add(partition_for(spec, self.worker_id, n))
+            return TypedConsumer(
+                self.settings.kafka,
+                [spec],
+                group_id=group,
+                assign=[(spec, p) for p in sorted(parts)],
+                key_filter=self.worker_id,
+                dlq=self._producer,
+            )
+
+        self._assignments = keyed(topics.ASSIGNMENTS, counts[0], f"kvmesh-worker-{self.worker_id}")
+        self._control = keyed(topics.CONTROL, counts[1], f"kvmesh-worker-{self.worker_id}-control")
         await self._assignments.start()
         await self._control.start()
 
@@ -269,10 +269,7 @@ class WorkerService:
         partition too (from the load loop, so a fleet can grow its topics under running workers)."""
         if self._producer is None:
             return
-        counts = (
-            await self._producer.partition_count(topics.ASSIGNMENTS),
-            await self._producer.partition_count(topics.CONTROL),
-        )
+        counts = await self._keyed_counts_now()
         if counts == self._keyed_counts:
             return
         log.warning(
@@ -291,7 +288,7 @@ class WorkerService:
             if c is not None:
                 with contextlib.suppress(Exception):
                     await c.stop()
-        await self._open_keyed_consumers()
+        await self._open_keyed_consumers(counts)
         self._tasks = [t for t in self._tasks if t not in keyed] + self._keyed_tasks()
 
     @property

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic_settings import BaseSettings
+from settings_env import reads
 
 from kvmesh.cli import COMMANDS
 
@@ -59,32 +60,6 @@ def _load(path: str) -> type[BaseSettings]:
         pytest.skip(f"{path} does not exist yet ({exc})")
 
 
-def _aliases(cls: type[BaseSettings]) -> set[str]:
-    out: set[str] = set()
-    for f in cls.model_fields.values():
-        alias = f.validation_alias
-        choices = getattr(alias, "choices", None) or ([alias] if isinstance(alias, str) else [])
-        out.update(c for c in choices if isinstance(c, str) and c.isupper())
-    return out
-
-
-def _reads(cls: type[BaseSettings], prefix: str, var: str) -> bool:
-    """Whether ``cls`` reads ``var``: ``PREFIX + FIELD`` or ``PREFIX + FIELD__SUBFIELD`` (nested)."""
-    if var in _aliases(cls):
-        return True
-    if not var.startswith(prefix):
-        return False
-    path = var[len(prefix) :].lower().split("__")
-    model: Any = cls
-    for i, part in enumerate(path):
-        fields = getattr(model, "model_fields", None)
-        if fields is None or part not in fields:
-            return False
-        if i < len(path) - 1:
-            model = fields[part].annotation
-    return True
-
-
 def test_compose_parses_and_has_the_stack() -> None:
     services = _compose()["services"]
     assert {"kafka", "redis", "intake", "scheduler", "kvmanager"} <= set(services)
@@ -121,17 +96,17 @@ def test_env_vars_are_settings_fields(command: str) -> None:
         for var in env:
             if not var.startswith("KVMESH_") or var in EXTRA_VARS:
                 continue
-            assert _reads(cls, prefix, var), f"{name}: {var} is not read by {cls.__name__}"
+            assert reads(cls, prefix, var), f"{name}: {var} is not read by {cls.__name__}"
 
 
 def test_env_var_check_rejects_unknown_names() -> None:
     from services.intake.config import IntakeSettings
 
-    assert _reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_INTAKE_KAFKA__BOOTSTRAP_SERVERS")
-    assert _reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_API_KEYS")
-    assert not _reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_INTAKE_KAFKA__NOPE")
-    assert not _reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_INTAKE_BOGUS")
-    assert not _reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_SCHEDULER_POLICY")
+    assert reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_INTAKE_KAFKA__BOOTSTRAP_SERVERS")
+    assert reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_API_KEYS")
+    assert not reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_INTAKE_KAFKA__NOPE")
+    assert not reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_INTAKE_BOGUS")
+    assert not reads(IntakeSettings, "KVMESH_INTAKE_", "KVMESH_SCHEDULER_POLICY")
 
 
 def test_host_ports_bind_loopback_only() -> None:

@@ -15,25 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from streams.embedded import _ChildProcess, free_port
+
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _yaml_str(value: str) -> str:
@@ -65,7 +58,11 @@ def render_config(jobs: dict[str, str], scrape_interval: str = "1s") -> str:
 
 
 class EmbeddedPrometheus:
-    """``prometheus`` on 127.0.0.1:<free port>. ``start()``/``stop()`` are safe twice; a context manager."""
+    """``prometheus`` on 127.0.0.1:<free port>. ``start()``/``stop()`` are safe twice; a context manager.
+
+    The process, its log file and its readiness wait are the dev stack's own
+    (:class:`streams.embedded._ChildProcess`), as for the broker and Redis.
+    """
 
     def __init__(self, jobs: dict[str, str], binary: str = "prometheus", scrape_interval: str = "1s") -> None:
         if not jobs:
@@ -75,8 +72,7 @@ class EmbeddedPrometheus:
         self.scrape_interval = scrape_interval
         self.port: int | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
+        self._child = _ChildProcess("prometheus")
         self._client: httpx.Client | None = None
 
     @property
@@ -85,21 +81,11 @@ class EmbeddedPrometheus:
             raise RuntimeError("EmbeddedPrometheus is not started")
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def log_path(self) -> Path:
-        if self._tmp is None:
-            raise RuntimeError("EmbeddedPrometheus is not started")
-        return Path(self._tmp.name) / "prometheus.log"
-
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except (OSError, RuntimeError):
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return self._child.log_tail(lines) or "(no log)"
 
     def start(self) -> EmbeddedPrometheus:
-        if self._proc is not None:
+        if self._child.alive():
             return self
         exe = shutil.which(self.binary)
         if exe is None:
@@ -114,68 +100,34 @@ class EmbeddedPrometheus:
             config = root / "prometheus.yml"
             config.write_text(config_text)
             (root / "data").mkdir()
-            self.port = _free_port()
-            self._log_file = self.log_path.open("wb")
-            argv = [
-                exe,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={root / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ]
-            self._proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            self.port = free_port()
+            self._child.spawn(
+                [
+                    exe,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={root / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ]
             )
             self._client = httpx.Client(base_url=self.url, timeout=5.0)
-            self._wait_ready()
+            self._child.wait_ready(self._ready, READY_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self) -> None:
-        assert self._proc is not None and self._client is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        last = "no answer"
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"prometheus exited with status {code} before it was ready; log tail:\n{self.log_tail()}"
-                )
-            try:
-                r = self._client.get("/-/ready")
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = repr(e)
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"prometheus at {self.url} not ready after {READY_TIMEOUT_S:.0f}s ({last}); "
-                    f"log tail:\n{self.log_tail()}"
-                )
-            time.sleep(0.2)
+    def _ready(self) -> bool:
+        assert self._client is not None
+        try:
+            return self._client.get("/-/ready").status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self._proc is not None:
-            proc, self._proc = self._proc, None
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(STOP_TIMEOUT_S)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        self._child.stop(grace_s=STOP_TIMEOUT_S)
         if self._tmp is not None:
             with contextlib.suppress(OSError):
                 self._tmp.cleanup()

@@ -180,7 +180,7 @@ class DevStack:
             return
         self._started = True
         from streams.admin import ensure_topics
-        from streams.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedRedis
+        from streams.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedRedis, free_port
 
         s = self.settings
         self._stopping.clear()
@@ -203,7 +203,7 @@ class DevStack:
             self.kafka = KafkaSettings(bootstrap_servers=bootstrap)
             self.redis_settings = RedisSettings(url=redis_url)
             asyncio.run(ensure_topics(self.kafka))
-            port = s.intake_port or _free_port()
+            port = s.intake_port or free_port()
             self.intake_url = f"http://{s.intake_host}:{port}"
             env = dict(os.environ)
             env.update(self._fleet_env(s))
@@ -284,7 +284,9 @@ class DevStack:
         """The environment of one service with its own metrics port (kept across restarts)."""
         if not self.settings.metrics:
             return None
-        port = _free_port()
+        from streams.embedded import free_port
+
+        port = free_port()
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         return {
             **self._env,
@@ -520,9 +522,3 @@ def _model_context(model_dir: object) -> int | None:
         return None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

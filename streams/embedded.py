@@ -31,9 +31,44 @@ log = logging.getLogger(__name__)
 _LOOPBACK = "127.0.0.1"
 
 
+# Ports handed out by this process: two children started in a row never get the same one.
+_handed_out: set[int] = set()
+_PORT_FLOOR = 15000
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to ``bind(0)`` and outgoing connections (Linux reads it from
+    ``ip_local_port_range``; 32768 is the common lower bound elsewhere too)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > _PORT_FLOOR + 1000 else 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the child may still lose a race for it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1, free now, for a child that binds it later.
+
+    The port comes from below the kernel's ephemeral range. A port that ``bind(0)`` returned would
+    be free a moment ago, but in the gap until the child binds it any outgoing connection (a Kafka
+    client's, a data-plane fetch) may take it as its local port; ports below the range are never
+    chosen that way, so only another deliberate choice could collide, and the set above rules out
+    this process's own."""
+    import random
+
+    high = _ephemeral_floor()
+    for _ in range(200):
+        port = random.randrange(_PORT_FLOOR, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((_LOOPBACK, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded range: the kernel's pick
         s.bind((_LOOPBACK, 0))
         return int(s.getsockname()[1])
 

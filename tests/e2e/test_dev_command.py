@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from streams.embedded import free_port
+
+    return free_port()
 
 
 def _descendants(pid: int) -> set[int]:

@@ -520,5 +520,3 @@ def _model_context(model_dir: object) -> int | None:
         return int(json.loads((Path(str(model_dir)) / "config.json").read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-

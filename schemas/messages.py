@@ -1,4 +1,7 @@
-"""The message types that travel between services, one frozen dataclass each.
+"""The message types that travel between services, one frozen msgspec Struct each.
+
+A message type is tagged with its wire name (``SCHEMA``), so that a topic's decoder reads the union of
+the types it carries in one pass (schemas.codec); the types nested inside messages are untagged.
 
 Schema evolution rules (msgspec's): a new field is appended with a default; an existing field never
 changes type or meaning; a breaking change bumps ``VERSION`` and readers list the versions they accept
@@ -10,8 +13,9 @@ the event; decisions never read the clock themselves, they read these fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import ClassVar, Literal
+
+import msgspec
 
 from schemas.token_ids import BlockHashes, PackedBlockHashes, PackedTokenIds, TokenIds
 
@@ -33,8 +37,7 @@ BASE_FEATURES: tuple[str, ...] = ("stop", "logprobs", "penalties", "seed", "min_
 OPTIONAL_FEATURES: tuple[str, ...] = ("json_object", "json_schema", "tools")
 
 
-@dataclass(frozen=True, slots=True)
-class StructuredOutput:
+class StructuredOutput(msgspec.Struct, frozen=True):
     """Constrain the output to a grammar: ``json_object`` (any JSON object) or ``json_schema``
     (``schema`` holds the JSON Schema as JSON text, so the wire type stays flat)."""
 
@@ -42,8 +45,7 @@ class StructuredOutput:
     schema: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True):
     """How to pick each next token. ``temperature == 0`` is greedy; ``seed`` makes sampling repeatable.
 
     The penalties are OpenAI's (presence, frequency: over the generated tokens) and vLLM's
@@ -63,7 +65,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -107,8 +109,7 @@ class SamplingParams:
         return need
 
 
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
+class ChatRequest(msgspec.Struct, frozen=True, tag="chat_request"):
     """A tokenized chat turn, published by intake (or the producer SDK) keyed by ``session_id``.
 
     ``block_hashes`` are the chained hashes of the full blocks of ``token_ids`` (schemas.blocks), salted
@@ -130,20 +131,20 @@ class ChatRequest:
     block_size: int
     max_tokens: int
     arrival_ms: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     deadline_ms: int | None = None
     namespace: bytes = b"public"
     public_prefix_tokens: int = 0
     model: str = "kvmesh-tiny"
     reply_topic: str = "kvmesh.replies"
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if type(self.token_ids) is not TokenIds:
             # frozen: the one place the field is set after __init__; ValueError for ids outside uint32
-            object.__setattr__(self, "token_ids", TokenIds(self.token_ids))
+            msgspec.structs.force_setattr(self, "token_ids", TokenIds(self.token_ids))
         if type(self.block_hashes) is not BlockHashes:
-            object.__setattr__(self, "block_hashes", BlockHashes(self.block_hashes))
+            msgspec.structs.force_setattr(self, "block_hashes", BlockHashes(self.block_hashes))
         if not self.request_id or not self.session_id:
             raise ValueError("request_id and session_id must be non-empty")
         if self.block_size <= 0:
@@ -154,8 +155,7 @@ class ChatRequest:
             raise ValueError("max_tokens must be at least 1")
 
 
-@dataclass(frozen=True, slots=True)
-class CancelRequest:
+class CancelRequest(msgspec.Struct, frozen=True, tag="cancel_request"):
     """The client went away: stop work on ``request_id`` (intake → scheduler → worker)."""
 
     SCHEMA: ClassVar[str] = "cancel_request"
@@ -167,8 +167,7 @@ class CancelRequest:
     worker_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class FetchPlan:
+class FetchPlan(msgspec.Struct, frozen=True):
     """Blocks to pull from one peer before prefill: ``block_hashes`` are consecutive prompt blocks."""
 
     peer_worker: str
@@ -178,8 +177,7 @@ class FetchPlan:
     tier: str = "gpu"
 
 
-@dataclass(frozen=True, slots=True)
-class Estimate:
+class Estimate(msgspec.Struct, frozen=True):
     """The scheduler's estimate of time to first token on the chosen worker, and its parts (ms)."""
 
     ttft_ms: float
@@ -191,8 +189,7 @@ class Estimate:
     fetched_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class DecisionInputs:
+class DecisionInputs(msgspec.Struct, frozen=True):
     """Where a scheduler stood in its input streams when it made a decision, for exact replay.
 
     ``applied`` maps ``"topic/partition"`` of every state partition (kv-events, load, control,
@@ -207,14 +204,13 @@ class DecisionInputs:
     FULL_EVERY: ClassVar[int] = 64
 
     now_ms: int
-    applied: dict[str, int] = field(default_factory=dict)
-    since: dict[str, int] = field(default_factory=dict)
+    applied: dict[str, int] = msgspec.field(default_factory=dict)
+    since: dict[str, int] = msgspec.field(default_factory=dict)
     full: bool = False
     batch: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Assignment:
+class Assignment(msgspec.Struct, frozen=True, tag="assignment"):
     """The scheduler's decision for one request, keyed by ``worker_id``.
 
     Blocks [0, reuse_blocks) are expected on the worker; each FetchPlan covers a following run of
@@ -230,7 +226,7 @@ class Assignment:
     reuse_blocks: int
     prefill_tokens: int
     estimate: Estimate
-    fetch: list[FetchPlan] = field(default_factory=list)
+    fetch: list[FetchPlan] = msgspec.field(default_factory=list)
     scheduler_id: str = ""
     decision_seq: int = 0
     inputs: DecisionInputs | None = None  # the scheduler's input positions (None: not recorded)
@@ -240,19 +236,17 @@ class Assignment:
     worker_epoch: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True):
     """The log probability of one generated token and of the ``top_ids`` most likely alternatives
     (most likely first), from the model's distribution before temperature, penalties and masks."""
 
     token_id: int
     logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class TokenChunk:
+class TokenChunk(msgspec.Struct, frozen=True, tag="token_chunk"):
     """Newly generated tokens of one request, in order (``index`` is the first token's position)."""
 
     SCHEMA: ClassVar[str] = "token_chunk"
@@ -264,11 +258,10 @@ class TokenChunk:
     token_ids: list[int]
     text: str = ""
     #: One entry per token of ``token_ids`` when the request asked for logprobs, else empty.
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class Completion:
+class Completion(msgspec.Struct, frozen=True, tag="completion"):
     """The end of a request, success or not; the only message that says how the prompt was served."""
 
     SCHEMA: ClassVar[str] = "completion"
@@ -280,7 +273,7 @@ class Completion:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
     reused_tokens: int = 0
     fetched_tokens: int = 0
     recomputed_tokens: int = 0
@@ -292,8 +285,7 @@ class Completion:
     text: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class KvEvent:
+class KvEvent(msgspec.Struct, frozen=True, tag="kv_event"):
     """A change of a worker's KV cache, keyed by ``worker_id``.
 
     kind: ``stored`` (blocks now in ``tier``), ``removed`` (blocks gone from the worker), ``moved``
@@ -310,7 +302,7 @@ class KvEvent:
     kind: Literal["stored", "removed", "moved", "cleared"]
     tier: str
     block_hashes: PackedBlockHashes
-    parent_hashes: PackedBlockHashes = field(default_factory=BlockHashes)
+    parent_hashes: PackedBlockHashes = msgspec.field(default_factory=BlockHashes)
     from_tier: str | None = None
     session_id: str | None = None
     event_ms: int = 0
@@ -322,17 +314,16 @@ class KvEvent:
     def __post_init__(self) -> None:
         # frozen: the one place the fields are set after __init__; ValueError for negative hashes
         if type(self.block_hashes) is not BlockHashes:
-            object.__setattr__(self, "block_hashes", BlockHashes(self.block_hashes))
+            msgspec.structs.force_setattr(self, "block_hashes", BlockHashes(self.block_hashes))
         if type(self.parent_hashes) is not BlockHashes:
-            object.__setattr__(self, "parent_hashes", BlockHashes(self.parent_hashes))
+            msgspec.structs.force_setattr(self, "parent_hashes", BlockHashes(self.parent_hashes))
         if self.parent_hashes and len(self.parent_hashes) != len(self.block_hashes):
             raise ValueError("parent_hashes must be empty or as long as block_hashes")
         if self.tier not in TIERS:
             raise ValueError(f"unknown tier {self.tier!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class TierUsage:
+class TierUsage(msgspec.Struct, frozen=True):
     """Capacity of one tier of a worker's KV cache, in blocks."""
 
     tier: str
@@ -340,8 +331,7 @@ class TierUsage:
     total_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class LoadReport:
+class LoadReport(msgspec.Struct, frozen=True, tag="load_report"):
     """A worker's load and measured speed, keyed by ``worker_id``; also its liveness heartbeat.
 
     The speed figures feed the shared cost model (kvmesh_core.costmodel) so the scheduler's estimates follow
@@ -385,14 +375,13 @@ class LoadReport:
     #: What the engine honours of a request's sampling fields (BASE_FEATURES + OPTIONAL_FEATURES):
     #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which
     #: honoured none of them.
-    features: list[str] = field(default_factory=list)
+    features: list[str] = msgspec.field(default_factory=list)
     #: HMAC of the report under the fleet secret (schemas.report_signing); empty when unsigned. A
     #: scheduler, KV manager or intake that knows the secret drops a report that does not verify.
     signature: bytes = b""
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerLost:
+class WorkerLost(msgspec.Struct, frozen=True, tag="worker_lost"):
     """The KV manager declares a worker gone; its blocks are no longer anywhere in the fleet view."""
 
     SCHEMA: ClassVar[str] = "worker_lost"
@@ -404,8 +393,7 @@ class WorkerLost:
     reason: str = "heartbeat_timeout"
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicateCommand:
+class ReplicateCommand(msgspec.Struct, frozen=True, tag="replicate_command"):
     """Ask ``target_worker`` to pull ``block_hashes`` (a chained run) from ``source_worker``."""
 
     SCHEMA: ClassVar[str] = "replicate_command"
@@ -421,8 +409,7 @@ class ReplicateCommand:
     reason: str = "hot_prefix"
 
 
-@dataclass(frozen=True, slots=True)
-class RetainHint:
+class RetainHint(msgspec.Struct, frozen=True, tag="retain_hint"):
     """Ask ``worker_id`` to keep a session's blocks in a lower tier rather than drop them (multi-turn)."""
 
     SCHEMA: ClassVar[str] = "retain_hint"
@@ -434,8 +421,7 @@ class RetainHint:
     until_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class DrainCommand:
+class DrainCommand(msgspec.Struct, frozen=True, tag="drain_command"):
     """Operator command: ``worker_id`` takes no new requests (``drain``) but keeps serving its KV blocks
     to peers, so its sessions move to other workers without recomputing; ``drain=False`` undoes it."""
 
@@ -447,8 +433,7 @@ class DrainCommand:
     reason: str = "operator"
 
 
-@dataclass(frozen=True, slots=True)
-class ResyncRequest:
+class ResyncRequest(msgspec.Struct, frozen=True, tag="resync_request"):
     """Asks ``worker_id`` to replace what the fleet knows of its KV cache: it publishes ``cleared``
     and then every block it holds. Sent by a KV manager or scheduler that saw a gap in its KV events."""
 
@@ -460,8 +445,7 @@ class ResyncRequest:
     reason: str = "gap"
 
 
-@dataclass(frozen=True, slots=True)
-class ServiceHeartbeat:
+class ServiceHeartbeat(msgspec.Struct, frozen=True, tag="service_heartbeat"):
     """A scheduler or KV manager replica is alive, keyed by ``instance_id`` (workers' heartbeat is
     their LoadReport). Intake is ready only while a scheduler's heartbeats arrive."""
 

@@ -11,7 +11,6 @@ made for anything else never verifies here.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import logging
@@ -30,13 +29,17 @@ SIGNATURE_BYTES = 16
 def _mac(report: LoadReport, secret: bytes) -> bytes:
     # Canonical bytes: encoded, decoded as the type and encoded again, so that a figure the worker
     # held as an int and a consumer decodes as a float (or a tuple that comes back a list) signs alike.
-    raw = msgspec.msgpack.encode(dataclasses.replace(report, signature=b""))
-    body = msgspec.msgpack.encode(msgspec.msgpack.decode(raw, type=LoadReport))
+    # The tag is left out: the bytes are those of the untagged report, which signatures were made
+    # over before messages were tagged, so a recorded stream still verifies.
+    raw = msgspec.msgpack.encode(msgspec.structs.replace(report, signature=b""))
+    plain = msgspec.to_builtins(msgspec.msgpack.decode(raw, type=LoadReport), builtin_types=(bytes,))
+    del plain["type"]
+    body = msgspec.msgpack.encode(plain)
     return hmac.new(secret, _TAG + body, hashlib.sha256).digest()[:SIGNATURE_BYTES]
 
 
 def sign(report: LoadReport, secret: bytes) -> LoadReport:
-    return dataclasses.replace(report, signature=_mac(report, secret))
+    return msgspec.structs.replace(report, signature=_mac(report, secret))
 
 
 def verify(report: LoadReport, secret: bytes) -> bool:

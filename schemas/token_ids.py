@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Annotated, Any, ClassVar, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 import numpy as np
 
@@ -168,33 +168,35 @@ class BlockHashes(PackedInts):
 assert array("I").itemsize == TokenIds.ITEM_BYTES and array("Q").itemsize == BlockHashes.ITEM_BYTES
 
 
-class _PackedMarker:
-    """``Annotated`` metadata: the schemas codec writes this field as ``cls`` bytes."""
-
-    def __init__(self, cls: type[PackedInts], name: str) -> None:
-        self.cls = cls
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-PACKED_U32 = _PackedMarker(TokenIds, "PACKED_U32")
-PACKED_U64 = _PackedMarker(BlockHashes, "PACKED_U64")
-
-#: The field type of a packed token id list: a ``Sequence[int]`` to its users, a ``TokenIds`` at run
-#: time (a message's ``__post_init__`` converts a list), ``bin`` on the wire.
-PackedTokenIds = Annotated[Sequence[int], PACKED_U32]
-#: Likewise for block hashes (``BlockHashes`` at run time).
-PackedBlockHashes = Annotated[Sequence[int], PACKED_U64]
+if TYPE_CHECKING:
+    #: The field type of a packed token id list: a ``Sequence[int]`` to its users (a constructor takes
+    #: any list of ints, which the message's ``__post_init__`` packs), a ``TokenIds`` to the codec,
+    #: which writes it as ``bin`` and reads ``bin`` (or an older writer's int array) back.
+    PackedTokenIds = Sequence[int]
+    #: Likewise for block hashes (``BlockHashes`` at run time).
+    PackedBlockHashes = Sequence[int]
+else:
+    PackedTokenIds = TokenIds
+    PackedBlockHashes = BlockHashes
 
 
-def packed_marker(hint: Any) -> _PackedMarker | None:
-    """The packing marker of an ``Annotated`` hint, if it has one."""
-    for m in getattr(hint, "__metadata__", ()):
-        if isinstance(m, _PackedMarker):
-            return m
-    return None
+def wire_value(obj: Any) -> bytes:
+    """How the codec writes a packed run (msgspec's ``enc_hook``); TypeError for anything else."""
+    if isinstance(obj, PackedInts):
+        return obj.to_bytes()
+    raise TypeError(f"{type(obj).__name__} is not a wire type")
+
+
+def from_wire(cls: type, value: Any) -> PackedInts:
+    """How the codec reads a packed run (msgspec's ``dec_hook``): ``bin`` of the current versions, or
+    the int array an older writer sent, every element checked (a bool is not an int)."""
+    if not (isinstance(cls, type) and issubclass(cls, PackedInts)):
+        raise TypeError(f"{cls!r} is not a wire type")
+    if isinstance(value, bytes | bytearray):
+        return cls.from_bytes(bytes(value))  # ValueError for a length that is not a multiple
+    if isinstance(value, list) and (not value or set(map(type, value)) == {int}):
+        return cls(value)  # ValueError for a value out of range
+    raise TypeError(f"expected packed {cls.WHAT} (bin) or an array of ints")
 
 
 def int_list(values: Sequence[int]) -> list[int]:

@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+import msgspec
+
 from kvmesh_core.errors import KvmeshError
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, Tokenizer, render_chat
 from schemas.blocks import DEFAULT_BLOCK_SIZE
@@ -112,7 +114,7 @@ class RequestHandle:
                 continue  # wholly a duplicate
             if index != self._next_index:
                 fresh = chunk.token_ids[self._next_index - index :]
-                chunk = dataclasses.replace(chunk, index=self._next_index, token_ids=fresh, text="")
+                chunk = msgspec.structs.replace(chunk, index=self._next_index, token_ids=fresh, text="")
             self._queue.put_nowait(chunk)
             self._next_index = end
 

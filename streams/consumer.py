@@ -30,14 +30,15 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, ConsumerStoppedError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
-from schemas.codec import decode
-from schemas.construct import constructor
-from schemas.envelope import Envelope
+from schemas.codec import RecordDecoder, decoder_for
+from schemas.envelope import AnyEnvelope
 from schemas.errors import SchemaError
+from schemas.messages import MESSAGE_TYPES
 from streams.admin import topic_name
 from streams.dedup import SeqDeduplicator
 from streams.errors import NotStarted
@@ -57,23 +58,19 @@ DLQ_ERROR = "kvmesh.error"
 DLQ_ERROR_KIND = "kvmesh.error_kind"
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(msgspec.Struct, frozen=True):
     """One decoded record. ``topic`` is the catalog name; ``key`` is the record key as text."""
 
     topic: str
     partition: int
     offset: int
     key: str | None
-    envelope: Envelope
+    envelope: AnyEnvelope
     timestamp_ms: int
 
     @property
     def message(self) -> Any:
         return self.envelope.message
-
-
-_make_record = constructor(Record)
 
 
 @dataclass(slots=True)
@@ -168,8 +165,12 @@ class TypedConsumer:
         self._consumer: AIOKafkaConsumer | None = None
         # broker topic name -> catalog name
         self._catalog: dict[str, str] = {}
+        # broker topic name -> the decoder of the message types its catalog entry carries: a record
+        # of any other type is refused (dead-lettered) like any other undecodable one
+        self._decoders: dict[str, RecordDecoder] = {}
         for spec in [*self.topics, *(s for s, _ in self.assign or [])]:
             self._catalog[topic_name(spec, kafka)] = spec.name
+            self._decoders[topic_name(spec, kafka)] = decoder_for(spec.messages or MESSAGE_TYPES)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -346,7 +347,8 @@ class TypedConsumer:
         """
         self.metrics.consumed += 1
         try:
-            env = decode(raw.value, self.kafka.max_record_bytes)
+            decoder = self._decoders.get(raw.topic) or decoder_for(MESSAGE_TYPES)
+            env = decoder.decode(raw.value, self.kafka.max_record_bytes)
         except SchemaError as exc:
             return exc
         key = raw.key.decode("utf-8", errors="replace") if raw.key is not None else None
@@ -358,7 +360,7 @@ class TypedConsumer:
             self.metrics.deduplicated += 1
             self._mark_done(tp, raw.offset)
             return None
-        return _make_record(topic, raw.partition, raw.offset, key, env, raw.timestamp)
+        return Record(topic, raw.partition, raw.offset, key, env, raw.timestamp)
 
     def _handled(self, tp: TopicPartition, raw: ConsumerRecord, record: Record) -> None:
         if self.dedup:

@@ -18,7 +18,6 @@ state partitions, a 3-partition delta) and the encode time with and without them
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import random
@@ -27,6 +26,7 @@ import time
 import tracemalloc
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 
 from kvmesh.percentiles import percentile
@@ -160,8 +160,8 @@ def decision_inputs_cost(partitions: int = 20, n: int = 2000) -> dict[str, float
     ]
     applied = {k: rng.randint(10_000, 10_000_000) for k in keys}
     base = Assignment(req, "w-1", 4, 100, Estimate(12.5, 1.0, 10.0, 1.5, "kvmesh"), decision_seq=12345)
-    full = dataclasses.replace(base, inputs=DecisionInputs(1_700_000_000_000, applied, applied, True, 99))
-    delta = dataclasses.replace(
+    full = msgspec.structs.replace(base, inputs=DecisionInputs(1_700_000_000_000, applied, applied, True, 99))
+    delta = msgspec.structs.replace(
         base, inputs=DecisionInputs(1_700_000_000_000, dict(list(applied.items())[:3]), {}, False, 100)
     )
     sizes = {

@@ -23,11 +23,12 @@ written to the GPU tier; cache changes go out as KvEvents, and a LoadReport afte
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from kvmesh.sim.cache import FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
@@ -58,7 +59,7 @@ Schedule = Callable[[float, "SimWorker", "Job | None"], None]
 
 
 #: A LoadReport's defaults for what a simulated worker has no facts of (model, engine, context).
-_REPORT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(LoadReport)}
+_REPORT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(LoadReport)}
 
 
 @dataclass(slots=True)

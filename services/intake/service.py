@@ -8,12 +8,13 @@ a request holds its slot from admission until its reply is fully sent or abandon
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Iterator
 from types import TracebackType
+
+import msgspec
 
 from kvmesh_core.runtime import rolled_back_on_failure
 from kvmesh_core.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
@@ -346,7 +347,7 @@ class IntakeService:
                         session_id=session,
                         tenant=tenant,
                         max_tokens=max_tokens,
-                        sampling=dataclasses.replace(sampling, seed=seed),
+                        sampling=msgspec.structs.replace(sampling, seed=seed),
                         request_id=base if n * len(prompts) == 1 else f"{base}-{k}",
                         stop_token_ids=[self.tokenizer.end_id],
                     )
@@ -355,7 +356,7 @@ class IntakeService:
                 session = req.session_id  # one session for every choice (they share the prompt)
                 # The fleet drops work nobody will wait for: the deadline is the intake's own timeout.
                 deadline_ms = req.arrival_ms + int(s.request_timeout_s * 1000)
-                requests.append(dataclasses.replace(req, deadline_ms=deadline_ms))
+                requests.append(msgspec.structs.replace(req, deadline_ms=deadline_ms))
         return Prepared(
             id=base,
             requests=requests,

@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvmesh_core.runtime import rolled_back_on_failure
@@ -458,7 +459,7 @@ class SchedulerService:
             log.info("cancel of unknown request %s dropped", msg.request_id)
             return
         self.metrics.cancels.labels("forwarded").inc()
-        await producer.send(ASSIGNMENTS, dataclasses.replace(msg, worker_id=worker), key=worker)
+        await producer.send(ASSIGNMENTS, msgspec.structs.replace(msg, worker_id=worker), key=worker)
 
     async def _publish(self, decisions: list[Decision]) -> None:
         if not decisions:
@@ -470,10 +471,10 @@ class SchedulerService:
         self._decided_at = (wall_ms(), self.now_ms, False)
         for d in decisions:
             if d.assignment is not None:
-                a: Assignment = dataclasses.replace(d.assignment, inputs=inputs)
+                a: Assignment = msgspec.structs.replace(d.assignment, inputs=inputs)
                 if inputs is not None and inputs.applied:
                     # the batch's other decisions saw the same inputs: nothing moved since
-                    inputs = dataclasses.replace(inputs, applied={}, since={}, full=False)
+                    inputs = msgspec.structs.replace(inputs, applied={}, since={}, full=False)
                 self._reply_topics.pop(a.request.request_id, None)
                 if self.settings.track_completions:
                     self._assigned[a.request.request_id] = a

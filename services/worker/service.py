@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvmesh_core.costmodel import fetch_beats_recompute
@@ -598,7 +599,7 @@ class WorkerService:
         self._kv_seq += 1
         self.metrics.observe_kv_event(ev)
         return await self._producer.send(
-            topics.KV_EVENTS, dataclasses.replace(ev, seq=self._kv_seq, epoch=self._started_ms), wait=wait
+            topics.KV_EVENTS, msgspec.structs.replace(ev, seq=self._kv_seq, epoch=self._started_ms), wait=wait
         )
 
     def _holdings_chunk(self) -> int:

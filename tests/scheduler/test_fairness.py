@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from schemas.messages import Completion
 from services.scheduler.fairness import FairDispatcher
 from services.scheduler.router import Router, RouterSettings
@@ -71,13 +73,13 @@ def test_cancel_removes_queued_request() -> None:
 
 def test_a_model_without_workers_holds_only_its_tenant() -> None:
     """A request whose model has no live worker waits; the other tenants' requests are decided."""
-    import dataclasses
-
     view = FleetView()
     view.apply_load(load("w-0", 1000))
     disp = FairDispatcher(Router(view, RouterSettings()))
     disp.submit(
-        dataclasses.replace(request("orphan", prompt(32), tenant="globex", deadline_ms=60_000), model="m-x")
+        msgspec.structs.replace(
+            request("orphan", prompt(32), tenant="globex", deadline_ms=60_000), model="m-x"
+        )
     )
     disp.submit(request("ok", prompt(32), tenant="acme"))
     out = disp.drain(1500)

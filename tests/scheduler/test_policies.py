@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from schemas.messages import WorkerLost
@@ -280,12 +281,11 @@ def test_fetch_from_a_peer_disk_costs_its_read() -> None:
 def test_no_fetch_to_or_from_a_worker_that_moves_no_kv_bytes(no_transfer: str) -> None:
     """A vLLM worker without the KV connector announces peer_transfer=false: its blocks are reused in
     place only, and it is never handed a fetch plan."""
-    import dataclasses
 
     view = FleetView(block_size=16)
     for w in ("w-0", "w-1"):
         lr = load(w, **(BUSY if w == "w-0" else {}))
-        view.apply_load(dataclasses.replace(lr, peer_transfer=w != no_transfer, engine="vllm"))
+        view.apply_load(msgspec.structs.replace(lr, peer_transfer=w != no_transfer, engine="vllm"))
     req = request("r1", prompt(100))
     view.apply_kv_event(stored("w-0", req.block_hashes))
     d = Router(view, RouterSettings()).decide(req, 1000)

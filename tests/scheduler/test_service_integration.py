@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from schemas.messages import Assignment, CancelRequest, Completion, KvEvent
@@ -137,11 +138,10 @@ async def test_a_restarted_worker_gets_its_old_in_flight_requests_decided_again_
 ) -> None:
     """A worker restarts (its LoadReport's started_ms moves on): the requests its old instance had
     in flight are decided again, each once, for the new instance."""
-    import dataclasses
 
     t0 = now_ms()
     async with TypedProducer(kafka_settings, "fake-workers") as prod:
-        await prod.send(LOAD, dataclasses.replace(load("w-0", t0), started_ms=t0 - 5000))
+        await prod.send(LOAD, msgspec.structs.replace(load("w-0", t0), started_ms=t0 - 5000))
         service = SchedulerService(settings(kafka_settings))
         out = TypedConsumer(kafka_settings, [ASSIGNMENTS], None, from_beginning=True)
         await out.start()
@@ -154,13 +154,13 @@ async def test_a_restarted_worker_gets_its_old_in_flight_requests_decided_again_
                 # w-0 restarts at t0 + 100 and reports; old-0 had completed before it died
                 await prod.send(REPLIES, Completion("old-0", "s-old-0", "w-0", "stop", 40, 1))
                 await wait_for(lambda: "old-0" not in service._assigned)
-                await prod.send(LOAD, dataclasses.replace(load("w-0", t0 + 200), started_ms=t0 + 100))
+                await prod.send(LOAD, msgspec.structs.replace(load("w-0", t0 + 200), started_ms=t0 + 100))
                 again = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 2)
                 ids = sorted(m.request.request_id for m in again if isinstance(m, Assignment))
                 assert ids == ["old-1", "old-2"]
                 assert all(m.worker_epoch == t0 + 100 for m in again)  # for the new instance
                 # the same report again (a heartbeat) re-decides nothing
-                await prod.send(LOAD, dataclasses.replace(load("w-0", t0 + 300), started_ms=t0 + 100))
+                await prod.send(LOAD, msgspec.structs.replace(load("w-0", t0 + 300), started_ms=t0 + 100))
                 await asyncio.sleep(1.0)
                 assert not [r for r in await out.getmany(timeout_ms=500) if isinstance(r.message, Assignment)]
                 assert service.metrics.value("redispatches_total") == 2
@@ -206,14 +206,13 @@ async def test_held_requests_survive_a_replica_and_decided_ones_are_not_decided_
 ) -> None:
     """A replica holds a request (no live worker for its model) while it decides two others, then
     dies. Its successor decides the held one when a worker comes, and skips the two it reads again."""
-    import dataclasses
 
     from streams.settings import RedisSettings
 
     t0 = now_ms()
     far = t0 + 120_000
     redis = RedisSettings(url=redis_server.url)
-    held = dataclasses.replace(
+    held = msgspec.structs.replace(
         request("held", prompt(40, 1), arrival_ms=t0 + 1, deadline_ms=far, tenant="globex", session="s"),
         model="m-b",
     )
@@ -243,7 +242,7 @@ async def test_held_requests_survive_a_replica_and_decided_ones_are_not_decided_
                 await wait_for(
                     lambda: second.metrics.value("skipped_decided_total") == 2 and len(second.dispatcher) == 1
                 )
-                await prod.send(LOAD, dataclasses.replace(load("w-1", now_ms()), model="m-b"))
+                await prod.send(LOAD, msgspec.structs.replace(load("w-1", now_ms()), model="m-b"))
                 late = await collect(out, lambda g: len([m for m in g if isinstance(m, Assignment)]) >= 1)
                 await asyncio.sleep(1.0)
                 late += [r.message for r in await out.getmany(timeout_ms=500)]
@@ -281,7 +280,6 @@ async def test_with_a_fleet_secret_a_forged_load_report_invents_no_worker(
 async def test_a_gap_in_a_workers_kv_events_asks_it_to_resync(kafka_settings: KafkaSettings) -> None:
     """KV event 3 of w-0 never arrives: the scheduler asks w-0 to resync, applies nothing more of it
     until the resync's ``cleared``, then follows the snapshot."""
-    import dataclasses
 
     from schemas.messages import ResyncRequest
     from streams.topics import CONTROL
@@ -293,7 +291,7 @@ async def test_a_gap_in_a_workers_kv_events_asks_it_to_resync(kafka_settings: Ka
     await ctl.start()
 
     def numbered(ev: KvEvent, seq: int) -> KvEvent:
-        return dataclasses.replace(ev, seq=seq, epoch=t0)
+        return msgspec.structs.replace(ev, seq=seq, epoch=t0)
 
     try:
         async with TypedProducer(kafka_settings, "w-0") as prod, service:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,15 +53,13 @@ def test_ranking_and_pending_match_a_recount(ops: list[tuple[str, int, int]]) ->
 
 def test_a_worker_announcing_another_block_size_is_refused() -> None:
     """Its hashes would never match a request's (or would be mis-indexed): no candidate, no events."""
-    import dataclasses
-
     from .factories import stored
 
     view = FleetView(block_size=16)
     view.apply_load(load("w-0", 1000))
     req = request("r1", prompt(64))
     view.apply_kv_event(stored("w-1", req.block_hashes))  # before any report: kept until refused
-    odd = dataclasses.replace(load("w-1", 1000), block_size=32)
+    odd = msgspec.structs.replace(load("w-1", 1000), block_size=32)
     view.apply_load(odd)
     assert "w-1" not in view.workers and "block size 32" in view.refused["w-1"]
     assert view.index.worker_blocks("w-1") == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from schemas.codec import decode, encode
 from schemas.messages import LoadReport, TierUsage
@@ -15,7 +15,7 @@ def _report(**kw: object) -> LoadReport:
     base = LoadReport(
         "worker-0", 1000, 1, 2, 300, 40, [TierUsage("gpu", 10, 100)], "127.0.0.1:7000", 16, 4096, 0.1
     )
-    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+    return msgspec.structs.replace(base, **kw)  # type: ignore[arg-type]
 
 
 def test_a_signed_report_verifies_through_the_wire_and_nothing_else_does() -> None:
@@ -28,7 +28,7 @@ def test_a_signed_report_verifies_through_the_wire_and_nothing_else_does() -> No
     as_int = sign(_report(decode_ms_per_step=3, features=("stop", "logprobs")), SECRET)
     assert verify(decode(encode(as_int, "worker-0", 2, 1000)).message, SECRET)
     for change in ({"queue_depth": 0}, {"worker_id": "worker-9"}, {"transfer_address": "10.0.0.1:1"}):
-        assert not verify(dataclasses.replace(signed, **change), SECRET), change  # type: ignore[arg-type]
+        assert not verify(msgspec.structs.replace(signed, **change), SECRET), change  # type: ignore[arg-type]
 
 
 def test_the_check_takes_everything_without_a_secret_and_only_verified_reports_with_one() -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import pickle
+from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
@@ -17,8 +18,7 @@ from schemas.codec import decode, encode
 from schemas.envelope import MAGIC
 from schemas.errors import InvalidPayload
 from schemas.messages import ChatRequest, KvEvent
-from schemas.token_ids import BlockHashes, TokenIds, int_list
-from schemas.validate import to_plain
+from schemas.token_ids import BlockHashes, TokenIds, int_list, wire_value
 
 ids32 = st.lists(st.integers(min_value=0, max_value=0xFFFFFFFF), max_size=300)
 
@@ -76,7 +76,7 @@ def test_a_request_always_holds_token_ids_whatever_it_was_built_from() -> None:
         r = _request(given_ids)  # type: ignore[arg-type]
         assert type(r.token_ids) is TokenIds and r.token_ids == tokens
     r = _request(tokens)
-    shorter = dataclasses.replace(r, token_ids=tokens[:20], block_hashes=r.block_hashes[:1])
+    shorter = msgspec.structs.replace(r, token_ids=tokens[:20], block_hashes=r.block_hashes[:1])
     assert type(shorter.token_ids) is TokenIds
     with pytest.raises(ValueError, match="token ids"):
         _request([-1] * 16)
@@ -85,7 +85,7 @@ def test_a_request_always_holds_token_ids_whatever_it_was_built_from() -> None:
 def test_version_1_records_with_int_arrays_still_decode_to_the_same_request() -> None:
     tokens = [(i * 7919) % 32000 for i in range(100)]
     message = _request(tokens)
-    payload = to_plain(message)
+    payload = _plain(message)
     payload["token_ids"] = tokens  # how a version-1 writer sent them
     payload["block_hashes"] = list(message.block_hashes)  # and versions 1 and 2 sent these
     v1 = msgpack.packb([MAGIC, "chat_request", 1, "old-intake", 5, 9, payload], use_bin_type=True)
@@ -102,7 +102,7 @@ def test_version_1_records_with_int_arrays_still_decode_to_the_same_request() ->
 
 def test_a_version_1_array_with_a_bool_is_refused() -> None:
     message = _request(list(range(32)))
-    payload = to_plain(message)
+    payload = _plain(message)
     payload["token_ids"] = [True, *range(1, 32)]
     v1 = msgpack.packb([MAGIC, "chat_request", 1, "old", 5, 9, payload], use_bin_type=True)
     with pytest.raises(InvalidPayload, match="token_ids"):
@@ -117,7 +117,7 @@ def test_kv_event_hashes_travel_packed_and_version_1_int_arrays_still_decode() -
     # packed uint64s (in both lists), not MessagePack uint64 ints (0xcf + 8 bytes)
     assert wire.count(b"\xff" * 8) == 2 and b"\xcf" + b"\xff" * 8 not in wire
     assert decode(wire).message == ev
-    payload = to_plain(ev)
+    payload = _plain(ev)
     payload["block_hashes"], payload["parent_hashes"] = hashes, [0, *hashes[:-1]]
     v1 = decode(msgpack.packb([MAGIC, "kv_event", 1, "old-worker", 2, 3, payload], use_bin_type=True))
     assert v1.version == 1 and v1.message == ev
@@ -135,3 +135,10 @@ def test_int_list_unpacks_packed_runs_once_and_copies_lists() -> None:
     plain = [1, 2]
     assert int_list(plain) == plain and int_list(plain) is not plain
     assert BlockHashes([1, 2]) == TokenIds([1, 2])  # same ints, different widths
+
+
+def _plain(message: object) -> dict[str, Any]:
+    """The payload map of ``message`` as a writer from before the tag wrote it (bytes kept as bin)."""
+    plain: dict[str, Any] = msgspec.to_builtins(message, builtin_types=(bytes,), enc_hook=wire_value)
+    plain.pop("type", None)
+    return plain

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from kvmesh.sim.worker import SimWorker
@@ -75,7 +76,7 @@ def test_second_turn_reuses_local_blocks() -> None:
     req = _request(4, "r1")
     w0.assign(_assign(req, "w0", []), 0.0, 0.0)
     h.run()
-    again = dataclasses.replace(req, request_id="r2", arrival_ms=1000)
+    again = msgspec.structs.replace(req, request_id="r2", arrival_ms=1000)
     w0.assign(_assign(again, "w0", []), 1000.0, 1000.0)
     h.run()
     c = [m for m, _ in h.sent if isinstance(m, Completion)][-1]

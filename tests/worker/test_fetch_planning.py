@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fleet_helpers import NS, assignment, block_tokens, chat_request
 
 from schemas.messages import FetchPlan
@@ -44,7 +44,7 @@ def _setup(held: int, plan_from: int, plan_to: int) -> tuple[Any, RunningRequest
         first_block=plan_from,
         block_hashes=hashes[plan_from:plan_to],
     )
-    a = dataclasses.replace(a, fetch=[plan])
+    a = msgspec.structs.replace(a, fetch=[plan])
     return a, RunningRequest(request=req, started=0.0, expected_blocks=held), hashes
 
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
@@ -229,17 +230,16 @@ async def test_an_assignment_decided_twice_runs_once(fleet: Fleet) -> None:
 async def test_an_assignment_decided_for_a_previous_instance_is_skipped(fleet: Fleet) -> None:
     """After a restart the scheduler decides the old instance's requests again; the new instance
     must not also run what was decided for the old one (Assignment.worker_epoch)."""
-    import dataclasses
 
     worker = fleet.workers["worker-a"]
-    old = dataclasses.replace(
+    old = msgspec.structs.replace(
         _assign(_request("stale", _turn1()), "worker-a"), worker_epoch=worker._started_ms - 1
     )
     await fleet.producer.send(topics.ASSIGNMENTS, old)
     async with asyncio.timeout(20):
         while worker.metrics.value("assignments_total", kind="stale") < 1:
             await asyncio.sleep(0.05)
-    fresh = dataclasses.replace(
+    fresh = msgspec.structs.replace(
         _assign(_request("fresh", _turn1()), "worker-a"), worker_epoch=worker._started_ms
     )
     c = await fleet.run(fresh)

@@ -175,7 +175,7 @@ def reference_answers(
     eng = build_engine(
         WorkerSettings(
             worker_id="demo-reference",
-            engine=engine,  # type: ignore[arg-type]
+            engine=engine,  # type: ignore[arg-type]  # the settings validate the name
             model=model,
             dtype=dtype,
             block_size=block_size,

@@ -25,6 +25,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("kvmesh.model")
 
@@ -82,7 +83,7 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def build_tokenizer(vocab_size: int, seed: int = 0) -> Any:  # a tokenizers.Tokenizer (untyped package)
     """A byte-level BPE tokenizer (every byte encodable) with the chat template's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -158,7 +159,7 @@ def shared_prefix(spec: SharedPrefixSpec, block_size: int = DEFAULT_BLOCK_SIZE) 
     rng = np.random.default_rng(spec.seed)
     prefixes = [_random_tokens(rng, spec.prefix_tokens) for _ in range(spec.groups)]
     order = [(g, i) for g in range(spec.groups) for i in range(spec.per_group)]
-    rng.shuffle(order)  # type: ignore[arg-type]
+    rng.shuffle(order)
     gap_ms = 1000.0 / spec.qps
     for k, (g, i) in enumerate(order):
         prompt = np.concatenate([prefixes[g], _random_tokens(rng, spec.question_tokens)])
@@ -194,7 +195,7 @@ def tokens_for_id(hash_ids: np.ndarray, trace_block_size: int = MOONCAKE_BLOCK_S
     return (mixed % np.uint64(VOCAB_SIZE)).astype(np.int64).reshape(-1)
 
 
-def read_mooncake(path: str | Path) -> Iterator[dict]:
+def read_mooncake(path: str | Path) -> Iterator[dict[str, Any]]:
     """The rows of a Mooncake-format JSON-lines file, checked for the fields the generator needs."""
     try:
         fh = open(path, encoding="utf-8")  # noqa: SIM115 -- closed by the with below, generator-friendly

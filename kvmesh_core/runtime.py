@@ -94,7 +94,7 @@ def load_settings(cls: type[S], argv: Sequence[str] | None, prog: str) -> S:
         cli_exit_on_error=False,
     )
     args = list(sys.argv[1:] if argv is None else argv)
-    return cls(_cli_settings_source=source(args=args))  # type: ignore[call-arg]
+    return cls(_cli_settings_source=source(args=args))
 
 
 class MetricsServer:

@@ -19,7 +19,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +166,7 @@ class HFTokenizer:
         return None
 
 
-def _tokenizer_config(folder: Path) -> dict:
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
     f = folder / "tokenizer_config.json"
     if not f.is_file():
         return {}
@@ -184,7 +187,7 @@ def _token_text(v: object) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_template(source: str):  # type: ignore[no-untyped-def]
+def _compiled_template(source: str) -> Template:
     # A sandbox, as Hugging Face renders templates: a model directory is data, not code to trust.
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

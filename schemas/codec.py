@@ -27,6 +27,7 @@ from schemas.token_ids import from_wire, wire_value
 #: Records larger than this are refused on encode and on decode (Kafka's default max is 1 MiB).
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
 
+# (SCHEMA is a ClassVar of every message type; the tuple's element type does not say so)
 REGISTRY: dict[str, type] = {cls.SCHEMA: cls for cls in MESSAGE_TYPES}  # type: ignore[attr-defined]
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=wire_value)
@@ -35,7 +36,7 @@ _header = msgspec.msgpack.Decoder(RawEnvelope)
 
 def readable_versions(cls: type) -> tuple[int, ...]:
     """Versions of ``cls`` this build can decode: its own, plus any it lists in ``READS``."""
-    return tuple(getattr(cls, "READS", (cls.VERSION,)))  # type: ignore[attr-defined]
+    return tuple(getattr(cls, "READS", (cls.VERSION,)))  # type: ignore[attr-defined]  # as SCHEMA
 
 
 def encode(
@@ -64,7 +65,7 @@ class RecordDecoder:
     """Decodes the records of a topic that carries ``types`` (build it with :func:`decoder_for`)."""
 
     def __init__(self, types: Iterable[type]) -> None:
-        self.types: dict[str, type] = {t.SCHEMA: t for t in types}  # type: ignore[attr-defined]
+        self.types: dict[str, type] = {t.SCHEMA: t for t in types}  # type: ignore[attr-defined]  # as above
         if not self.types:
             raise ValueError("a decoder needs at least one message type")
         union: Any = Union[tuple(self.types.values())]  # noqa: UP007 (built at run time)

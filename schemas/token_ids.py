@@ -40,8 +40,8 @@ class PackedInts(Sequence[int]):
 
     def __init__(self, ids: Iterable[int] = ()) -> None:
         if type(ids) is type(self):
-            self._buf: bytes = ids._buf  # type: ignore[attr-defined]
-            self._arr: array[int] | None = ids._arr  # type: ignore[attr-defined]
+            self._buf: bytes = ids._buf
+            self._arr: array[int] | None = ids._arr
             return
         try:
             arr = array(self.TYPECODE, ids if isinstance(ids, list | tuple | array) else list(ids))
@@ -98,7 +98,9 @@ class PackedInts(Sequence[int]):
     def tolist(self) -> list[int]:
         if self._arr is None and not _SWAP:
             # one C-level pass over the buffer, without building (and keeping) the array
-            return memoryview(self._buf).cast(self.TYPECODE).tolist()  # type: ignore[call-overload]
+            # (typeshed's cast() overloads know only literal format strings; TYPECODE is a ClassVar[str])
+            ints: list[int] = memoryview(self._buf).cast(self.TYPECODE).tolist()  # type: ignore[call-overload]
+            return ints
         return self._array().tolist()
 
     def __len__(self) -> int:
@@ -120,7 +122,7 @@ class PackedInts(Sequence[int]):
 
     def __eq__(self, other: object) -> bool:
         if type(other) is type(self):
-            return self._buf == other._buf  # type: ignore[attr-defined]
+            return self._buf == other._buf
         if isinstance(other, list | tuple | PackedInts):
             return len(other) == len(self) and self.tolist() == list(other)
         return NotImplemented

@@ -92,7 +92,7 @@ class ConsumerMetrics:
     lag: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
-class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]
+class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
     """Commits what was dealt with before a rebalance takes partitions away."""
 
     def __init__(self, owner: TypedConsumer) -> None:

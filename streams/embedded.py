@@ -91,7 +91,7 @@ def _metadata_answers(port: int, timeout_s: float = 1.0) -> bool:
     if head is None:
         return False
     size, got_id = struct.unpack(">ii", head)
-    return size >= 4 and got_id == correlation_id
+    return bool(size >= 4 and got_id == correlation_id)
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes | None:
@@ -460,7 +460,7 @@ class EmbeddedObjectStore:
 def docker_available(timeout_s: float = 2.0) -> bool:
     """True when a Docker engine answers a ping (not merely when the docker CLI is installed)."""
     try:
-        import docker  # type: ignore[import-untyped]
+        import docker
     except ImportError:
         return False
     try:

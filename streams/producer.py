@@ -44,7 +44,7 @@ def partition_for(topic: TopicSpec, key: str, partitions: int | None = None) -> 
     """The partition aiokafka's DefaultPartitioner picks for ``key`` on ``topic`` when the topic has
     ``partitions`` partitions (default: the catalog's count; pass the broker's actual count, from
     :meth:`TypedProducer.partition_count`, where it may differ)."""
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % (partitions or topic.partitions)
+    return int(murmur2(key.encode()) & 0x7FFFFFFF) % (partitions or topic.partitions)
 
 
 def producer_options(kafka: KafkaSettings) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -206,10 +207,10 @@ async def run_faults(
         if stop.is_set():
             break
         f = Fault(part, time.monotonic() - t0)
-        await asyncio.to_thread(kill.get(part, lambda p=part: stack.kill(p)))  # type: ignore[misc]
+        await asyncio.to_thread(kill.get(part) or functools.partial(stack.kill, part))
         log.info("chaos: killed %s", part)
         await asyncio.sleep(down_s)
-        await asyncio.to_thread(start.get(part, lambda p=part: stack.restart(p)))  # type: ignore[misc]
+        await asyncio.to_thread(start.get(part) or functools.partial(stack.restart, part))
         f.restarted_s = time.monotonic() - t0
         log.info("chaos: restarted %s", part)
         faults.append(f)

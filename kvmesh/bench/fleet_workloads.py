@@ -125,7 +125,7 @@ def shared_prefix_live(spec: SharedPrefixSpec) -> LiveWorkload:
     rng = np.random.default_rng(spec.seed)
     prefixes = [_bytes(rng, spec.prefix_tokens) for _ in range(spec.groups)]
     order = [(g, i) for g in range(spec.groups) for i in range(spec.per_group)]
-    rng.shuffle(order)  # type: ignore[arg-type]
+    rng.shuffle(order)
     sessions = []
     for k, (g, i) in enumerate(order):
         prompt = np.concatenate([prefixes[g], _bytes(rng, spec.question_tokens)])

@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     broker = EmbeddedBroker() if not args.kafka else None
     rds = EmbeddedRedis() if not args.redis else None
     try:
-        kafka = KafkaSettings(bootstrap_servers=args.kafka or broker.start())  # type: ignore[union-attr]
-        redis = RedisSettings(url=args.redis or rds.start())  # type: ignore[union-attr]
+        kafka = KafkaSettings(bootstrap_servers=args.kafka if broker is None else broker.start())
+        redis = RedisSettings(url=args.redis if rds is None else rds.start())
         result = asyncio.run(run(args, kafka, redis))
     finally:
         if broker is not None:

@@ -61,7 +61,9 @@ def _report(worker: str, t: int, rng: random.Random) -> LoadReport:
     )
 
 
-def _fill(index_owner: FleetView, workers: list[str], n_blocks: int, chain: int, rng: random.Random) -> list:
+def _fill(
+    index_owner: FleetView, workers: list[str], n_blocks: int, chain: int, rng: random.Random
+) -> list[list[int]]:
     chains = []
     tiers = ("gpu", "gpu", "dram")
     for _ in tqdm(
@@ -76,7 +78,7 @@ def _fill(index_owner: FleetView, workers: list[str], n_blocks: int, chain: int,
     return chains
 
 
-def _requests(chains: list, n: int, t0: int, rng: random.Random) -> list[ChatRequest]:
+def _requests(chains: list[list[int]], n: int, t0: int, rng: random.Random) -> list[ChatRequest]:
     out = []
     for i in range(n):
         c = rng.choice(chains)

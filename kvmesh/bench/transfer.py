@@ -62,7 +62,7 @@ class _ArraySource:
         if not 0 <= i < self.n:
             return None
         nb = self.nb
-        return "dram", memoryview(self.data[i * nb : (i + 1) * nb])  # type: ignore[arg-type]
+        return "dram", memoryview(self.data[i * nb : (i + 1) * nb])  # type: ignore[arg-type]  # a buffer
 
     def release_read(self, block_hash: int) -> None:
         return None

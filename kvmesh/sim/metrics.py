@@ -111,7 +111,8 @@ def prediction_ratios(records: list[RequestRecord]) -> np.ndarray:
     if not pairs:
         return np.zeros(0)
     a = np.asarray(pairs, dtype=float)
-    return a[:, 0] / a[:, 1]
+    ratios: np.ndarray = a[:, 0] / a[:, 1]
+    return ratios
 
 
 def ttft_seconds(records: list[RequestRecord]) -> np.ndarray:

@@ -62,7 +62,7 @@ class TruthScale:
                 values[key] = int(raw) if key == "seed" else float(raw)
             except ValueError as exc:
                 raise SimError(f"--truth-scale {key}: not a number: {raw!r}") from exc
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]  # keys checked against _KEYS above
 
     @property
     def is_identity(self) -> bool:

@@ -374,7 +374,7 @@ class SimWorker:
         for r in runs:
             # as the live engine: the session is named on the blocks its prefill stored
             session = sid if r.kind == "stored" else None
-            # r.kind is one of KvEvent's kinds (stored, moved, removed)
+            # r.kind is one of KvEvent's kinds (stored, moved, removed): the ignore below
             ev = KvEvent(self.worker_id, r.kind, r.tier, r.hashes, r.parents, r.from_tier, session, t)  # type: ignore[arg-type]
             self._emit(ev, now_ms)
 

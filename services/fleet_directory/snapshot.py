@@ -38,7 +38,7 @@ class DirectorySnapshot:
     blocks: dict[int, dict[str, str]]  # block hash → {worker: tier}
     parents: dict[int, int]  # block hash → parent hash
     offsets: dict[str, dict[int, int]]  # topic name → partition → next offset to consume
-    workers: dict[str, dict]  # worker → info (last_seen_ms, transfer_address, tiers, …)
+    workers: dict[str, dict[str, Any]]  # worker → info (last_seen_ms, transfer_address, tiers, …)
 
 
 @dataclass

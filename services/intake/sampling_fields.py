@@ -62,9 +62,9 @@ def completion_prompts(
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
-        items = [list(prompt)]  # type: ignore[arg-type]
+        items = [list(prompt)]  # type: ignore[arg-type]  # all() above: a list of ints
     else:
-        items = list(prompt)  # type: ignore[arg-type]
+        items = list(prompt)  # type: ignore[arg-type]  # strings or lists of ints
     if not items:
         raise InvalidRequest("'prompt' must not be empty.", param="prompt")
     out = []

@@ -433,7 +433,8 @@ class Directory:
             "ss": [x for t, p, pr in d.seqs for x in (f"{t}:{p}:{pr}", str(self.seqs[(t, p, pr)]))],
             "st": [x for k, v in self.stats.items() for x in (k, str(v))] if d.stats else [],
         }
-        return msgpack.packb(payload, use_bin_type=False)
+        packed: bytes = msgpack.packb(payload, use_bin_type=False)
+        return packed
 
     async def _apply(self, client: aioredis.Redis, payload: bytes) -> int:
         script = getattr(client, "_kvm_apply_script", None)

@@ -343,7 +343,8 @@ class Engine:
         self.kv.pool.write(s.block_ids, start, new_kv[:, :, 0])
         s.n_computed += t
         self._commit_full_blocks(s)
-        return logits[0, -1]
+        last: Tensor = logits[0, -1]
+        return last
 
     def _decode(self, seqs: list[_Seq], out: list[StepOutput]) -> None:
         bs = self.layout.block_size
@@ -394,7 +395,8 @@ class Engine:
             pool.write(s.block_ids, lens[i], new_kv[:, :, i])
             s.n_computed += 1
             self._commit_full_blocks(s)
-        return logits[:, 0]
+        firsts: Tensor = logits[:, 0]
+        return firsts
 
     def _commit_full_blocks(self, s: _Seq) -> None:
         bs = self.layout.block_size

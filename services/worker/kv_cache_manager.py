@@ -417,7 +417,7 @@ class KvCacheManager:
         while self.pool.num_free < n:
             cands = [b for b in self.pool.lru_cached() if b not in self._gpu_pins]
             hashes = [self.pool.hash_of(b) for b in cands]
-            i = self._pick(hashes)  # type: ignore[arg-type]
+            i = self._pick(hashes)  # type: ignore[arg-type]  # a cached block always has its hash
             if i is None:
                 return False
             b = cands[i]

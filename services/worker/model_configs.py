@@ -84,4 +84,4 @@ def get_config(name: str, **overrides: object) -> ModelConfig:
         cfg = MODEL_CONFIGS[name.removeprefix("kvmesh-")]
     except KeyError:
         raise ModelConfigError(f"unknown model {name!r}; known: {', '.join(MODEL_CONFIGS)}") from None
-    return dataclasses.replace(cfg, **overrides) if overrides else cfg  # type: ignore[arg-type]
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg  # type: ignore[arg-type]  # replace() checks the names

@@ -116,7 +116,7 @@ def build_completion(
         request_id=req.request_id,
         session_id=req.session_id,
         worker_id=worker_id,
-        finish_reason=finish_reason,  # type: ignore[arg-type]
+        finish_reason=finish_reason,  # type: ignore[arg-type]  # the engines' reasons are Completion's
         prompt_tokens=len(req.token_ids),
         completion_tokens=len(output),
         output_token_ids=list(output),

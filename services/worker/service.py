@@ -91,9 +91,9 @@ class WorkerService:
         self.settings = settings
         self.worker_id = settings.worker_id
         # Built in start() (the engine loads a model, off the constructor's path); None until then.
-        self.engine: WorkerEngine = None  # type: ignore[assignment]
+        self.engine: WorkerEngine = None  # type: ignore[assignment]  # set in start(), used only after it
         self._profile: PerfProfile | None = None
-        self._producer: TypedProducer = None  # type: ignore[assignment]
+        self._producer: TypedProducer = None  # type: ignore[assignment]  # likewise
         self._assignments: TypedConsumer | None = None
         self._control: TypedConsumer | None = None
         self._fleet_state: TypedConsumer | None = None

@@ -61,10 +61,11 @@ def resolve_secret(secret: bytes | None, insecure_dev: bool = False) -> bytes:
 
 def canonical_request(req: BlockRequest) -> bytes:
     """The exact bytes the MAC covers: every field but the MAC, in a fixed order."""
-    return _DOMAIN + msgpack.packb(
+    body: bytes = msgpack.packb(
         [req.block_hashes, req.namespace, req.layout, req.peer_id, req.nonce, req.ts_ms, req.probe_bytes],
         use_bin_type=True,
     )
+    return _DOMAIN + body
 
 
 def sign(secret: bytes, req: BlockRequest) -> bytes:

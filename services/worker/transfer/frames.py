@@ -122,7 +122,7 @@ class BlockRequest:
 
     def encode(self) -> bytes:
         """Length prefix + msgpack map, ready to send."""
-        body = msgpack.packb(
+        body: bytes = msgpack.packb(
             {
                 "v": PROTOCOL_VERSION,
                 "block_hashes": self.block_hashes,

@@ -151,7 +151,7 @@ class VllmEngine:
         if cfg.dram_blocks > 0 or cfg.disk_blocks > 0:
             from services.worker.vllm_engine.connector import ConnectorHub, register_hub
 
-            self._hub = ConnectorHub(None, cfg.block_size, cfg.async_load)  # type: ignore[arg-type]
+            self._hub = ConnectorHub(None, cfg.block_size, cfg.async_load)  # type: ignore[arg-type]  # store: start()
             self._hub_id = register_hub(self._hub)
         try:
             self._llm = self._build(root, endpoint, replay)
@@ -651,7 +651,7 @@ class VllmEngine:
         st = self.connector_stats
         if st is None or st.saved_blocks == 0 or st.save_s <= 0:
             return 20.0  # no connector: nothing moves, the figure is never used
-        return max(self.block_bytes * st.saved_blocks / st.save_s / 1e9, 0.1)
+        return max(float(self.block_bytes * st.saved_blocks / st.save_s / 1e9), 0.1)
 
     # ---- shutdown -------------------------------------------------------------------------------
     def release_all(self) -> list[KvEvent]:

@@ -44,8 +44,8 @@ class EventSubscriber:
     def __init__(
         self, endpoint: str, replay_endpoint: str | None, topic: str = "", replay_timeout_ms: int = 2000
     ) -> None:
-        self._ctx: zmq.Context = zmq.Context.instance()
-        self._sub = self._ctx.socket(zmq.SUB)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.connect(endpoint)
@@ -59,7 +59,7 @@ class EventSubscriber:
         self._closed = False
 
     @property
-    def socket(self) -> zmq.Socket:
+    def socket(self) -> zmq.Socket[bytes]:
         """The SUB socket (tests drop a message by reading it here first)."""
         return self._sub
 

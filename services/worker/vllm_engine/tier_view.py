@@ -139,7 +139,7 @@ class TierView:
         self._out.append(
             KvEvent(
                 worker_id=self.worker_id,
-                kind=kind,  # type: ignore[arg-type]
+                kind=kind,  # type: ignore[arg-type]  # stored / moved / removed, KvEvent's kinds
                 tier=tier,
                 block_hashes=[h for h, _ in blocks],
                 parent_hashes=[p for _, p in blocks],

@@ -7,7 +7,7 @@
 
 For each policy a fresh embedded stack (``DevStack``: broker, Redis, kvmanager, scheduler, N workers,
 intake) is started, so no run inherits another's caches; the workload is driven through the producer
-SDK (``streams.client.KvmeshClient``, token ids straight in) or, with ``--url``, through intake's
+SDK (``kvmesh_client.KvmeshClient``, token ids straight in) or, with ``--url``, through intake's
 streaming HTTP API. Users run concurrently, each user's turns strictly one after another, and every
 next turn's prompt is the previous prompt + the real answer + the new question
 (:mod:`kvmesh.bench.fleet_workloads`).
@@ -210,7 +210,7 @@ class SdkDriver:
     """Token ids straight to ``kvmesh.requests`` through the producer SDK; replies from its reply topic."""
 
     def __init__(self, kafka: KafkaSettings, timeout_s: float = 120.0) -> None:
-        from streams.client import KvmeshClient
+        from kvmesh_client import KvmeshClient
 
         self.client = KvmeshClient(kafka, client_id=f"bench-fleet-{uuid.uuid4().hex[:8]}")
         self.timeout_s = timeout_s

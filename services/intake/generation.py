@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from kvmesh_client import RequestClosed, RequestHandle
 from kvmesh_core.text_stream import TextStream
 from schemas.messages import Completion, TokenChunk, TokenLogprob
 from services.intake.errors import IntakeError, ServiceUnavailable, UpstreamFailed, UpstreamTimeout
 from services.intake.replies import completion_error
 from services.intake.sampling_fields import Prepared
 from services.intake.service import IntakeService
-from streams.client import RequestClosed, RequestHandle
 
 log = logging.getLogger("kvmesh.intake.generation")
 

@@ -1,7 +1,7 @@
 """From a request's Completion to the HTTP error the client sees.
 
 The reply routing itself (request id → handle, order, dedup) lives once, in the producer SDK
-(:mod:`streams.client`); tokens become text in :mod:`kvmesh_core.text_stream`, the rule the worker shares.
+(:mod:`kvmesh_client`); tokens become text in :mod:`kvmesh_core.text_stream`, the rule the worker shares.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The intake's long-running part: the fleet client, the key table, limits and admission.
 
-Owns one :class:`~streams.client.KvmeshClient` (the same SDK users call), the API key table, the
+Owns one :class:`~kvmesh_client.KvmeshClient` (the same SDK users call), the API key table, the
 tokenizer, the metrics and the in-flight count. Invariant: ``in_flight <= settings.max_inflight``;
 a request holds its slot from admission until its reply is fully sent or abandoned.
 """
@@ -16,6 +16,7 @@ from types import TracebackType
 
 import msgspec
 
+from kvmesh_client import KvmeshClient, PublishTimeout, RequestHandle
 from kvmesh_core.runtime import rolled_back_on_failure
 from kvmesh_core.tokenizer import ChatMessage, Tokenizer, load_tokenizer, render_chat, supports_tools
 from schemas.errors import RecordTooLarge, SchemaError
@@ -47,7 +48,6 @@ from services.intake.sampling_fields import (
     structured_output,
 )
 from services.intake.tools import ToolPlan, plan_tools, template_messages
-from streams.client import KvmeshClient, PublishTimeout, RequestHandle
 from streams.consumer import ConsumerMetrics
 from streams.consumer_metrics import ConsumerCollector
 from streams.producer import PublishError

@@ -35,6 +35,9 @@ class HeldPositions:
     def __len__(self) -> int:
         return len(self._pos)
 
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._pos
+
     def read(self, request_id: str, partition: int, offset: int) -> None:
         self._pos[request_id] = (partition, offset)
 

@@ -115,6 +115,11 @@ class SchedulerMetrics:
             registry=r,
         )
         self.requests = Counter("kvmesh_scheduler_requests", "Request-topic records read.", registry=r)
+        self.duplicate_requests = Counter(
+            "kvmesh_scheduler_duplicate_requests",
+            "Requests dropped because one with the same id was still queued or running.",
+            registry=r,
+        )
         self.skipped_decided = Counter(
             "kvmesh_scheduler_skipped_decided",
             "Requests read again after a replica's crash that it had already decided.",

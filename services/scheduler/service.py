@@ -432,6 +432,11 @@ class SchedulerService:
             if msg.request_id in skip:
                 self.metrics.skipped_decided.inc()
                 return
+            if msg.request_id in self._held or msg.request_id in self._assigned:
+                # a producer's retried publish whose first try landed too (the SDK retries on
+                # retriable errors): the request is queued or running already
+                self.metrics.duplicate_requests.inc()
+                return
             self._held.read(msg.request_id, record.partition, record.offset)
             self._advance(msg.arrival_ms)
             self._reply_topics[msg.request_id] = msg.reply_topic

@@ -29,12 +29,12 @@ from fleet_helpers import read_topic
 
 from kvmesh.devstack import DevStack, DevStackSettings
 from kvmesh.modeldir import init_model_dir
+from kvmesh_client import KvmeshClient
 from kvmesh_core.tokenizer import ChatMessage, HFTokenizer, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import Completion, KvEvent, LoadReport
 from services.scheduler.view import FleetView
 from streams import topics
-from streams.client import KvmeshClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

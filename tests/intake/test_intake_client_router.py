@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh_client import ClientError, KvmeshClient, ReplyRouter, RequestClosed, RequestHandle
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import PUBLIC_NAMESPACE, block_hashes, tenant_namespace
 from schemas.messages import Completion, KvEvent, TokenChunk
-from streams.client import ClientError, KvmeshClient, ReplyRouter, RequestClosed, RequestHandle
 from streams.settings import KafkaSettings
 
 SYSTEM = "You are a helpful assistant for the kvmesh test suite, answering briefly."

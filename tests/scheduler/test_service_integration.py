@@ -337,3 +337,25 @@ async def test_a_silent_worker_s_requests_are_re_decided_without_a_worker_lost(
             assert service.metrics.value("redispatches_total") == 1
     finally:
         await out.stop()
+
+
+async def test_a_request_published_twice_is_decided_once(kafka_settings: KafkaSettings) -> None:
+    """A producer's retried publish can land twice; the second copy is dropped, not run again."""
+    t0 = now_ms()
+    req = request("dup-1", prompt(64), arrival_ms=t0 + 10)
+    async with TypedProducer(kafka_settings, "fake-workers") as prod:
+        await prod.send(LOAD, load("w-0", t0))
+        service = SchedulerService(settings(kafka_settings))
+        out = TypedConsumer(kafka_settings, [ASSIGNMENTS], None, from_beginning=True)
+        await out.start()
+        try:
+            async with service:
+                await prod.send(REQUESTS, req)
+                await collect(out, lambda g: len(g) >= 1)
+                await prod.send(REQUESTS, req)  # the retry's copy, while the first still runs
+                await prod.send(REQUESTS, request("other", prompt(64, 2), arrival_ms=t0 + 20))
+                got = await collect(out, lambda g: any(a.request.request_id == "other" for a in g))
+                assert [a.request.request_id for a in got] == ["other"]
+                assert service.metrics.value("duplicate_requests_total") == 1
+        finally:
+            await out.stop()

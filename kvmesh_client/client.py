@@ -1,4 +1,4 @@
-"""The producer SDK: build, submit and follow chat requests from Python (intake uses it too).
+"""KvmeshClient: build, submit and follow chat requests from Python (intake uses it too).
 
 Owns one :class:`~streams.producer.TypedProducer` (requests and cancels out) and one reply consumer
 (the reply topic in, no consumer group, positioned at the end when the client starts). One background
@@ -13,6 +13,12 @@ Ordering of a request's life::
               ChatRequest published to kvmesh.requests (key = session_id)
     replies:  TokenChunk(index 0..) … Completion           → handle.stream() / handle.result()
     cancel(): CancelRequest published, handle closed
+
+Delivery: a publish that fails on a retriable error (the broker away, a leader moving, a timeout) is
+tried again, with backoff, until ``publish_timeout_s`` has passed in all; a try that did land after
+all makes a duplicate that the scheduler drops by request id. ``max_in_flight`` bounds the requests
+submitted and not finished: ``submit`` waits for a slot (backpressure instead of an unbounded queue
+in front of a slow fleet), and a caller's cancellation of that wait publishes nothing.
 """
 
 from __future__ import annotations
@@ -21,211 +27,23 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-import msgspec
-
-from kvmesh_core.errors import KvmeshError
+from kvmesh_client.errors import ClientError, PublishTimeout
+from kvmesh_client.handle import ReplyRouter, RequestHandle
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, Tokenizer, render_chat
 from schemas.blocks import DEFAULT_BLOCK_SIZE
 from schemas.chat_requests import chat_request
-from schemas.messages import CancelRequest, ChatRequest, Completion, SamplingParams, TokenChunk
+from schemas.messages import CancelRequest, ChatRequest, SamplingParams
 from streams import topics
 from streams.clock import now_ms
 from streams.settings import KafkaSettings
 
 log = logging.getLogger("kvmesh.client")
-
-
-class ClientError(KvmeshError):
-    """Base of the errors the producer SDK raises on purpose."""
-
-
-class RequestTimeout(ClientError):
-    """No Completion arrived for a request within the caller's timeout."""
-
-    retriable = True
-
-
-class PublishTimeout(ClientError):
-    """The broker did not take a request within the client's publish timeout (it is down or stuck)."""
-
-
-class RequestClosed(ClientError):
-    """The handle was cancelled or closed before its Completion arrived."""
-
-
-class RequestHandle:
-    """The client side of one submitted request: its chunks in order and its Completion.
-
-    Invariants: chunks come out of :meth:`stream` in index order, each token exactly once (a chunk
-    that repeats tokens already delivered is trimmed or dropped; one that leaves a gap waits until the
-    gap is filled); the Completion is the last thing delivered, and when it lists more output tokens
-    than the chunks carried, the missing tail is delivered as one synthetic chunk before it ends.
-    """
-
-    def __init__(self, request: ChatRequest, client: KvmeshClient | None = None) -> None:
-        self.request = request
-        self._client = client
-        self._queue: asyncio.Queue[TokenChunk | Completion | None] = asyncio.Queue()
-        self._next_index = 0  # index of the next token to deliver
-        self._early: dict[int, TokenChunk] = {}  # chunks that arrived ahead of a gap, by index
-        self._completion: Completion | None = None
-        self._done = asyncio.Event()
-        self._closed = False
-        self.worker_id: str | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def completion(self) -> Completion | None:
-        return self._completion
-
-    # -- fed by the router ------------------------------------------------------------------------
-    def deliver(self, message: TokenChunk | Completion) -> None:
-        """Take one reply for this request (called by the router, in topic order)."""
-        if self._done.is_set():
-            return  # duplicates after the end, or replies after a cancel
-        if isinstance(message, Completion):
-            self._finish(message)
-            return
-        self.worker_id = self.worker_id or message.worker_id
-        self._early.setdefault(message.index, message)
-        self._drain_early()
-
-    def _drain_early(self) -> None:
-        # Deliver from the smallest buffered index while it touches what was already delivered.
-        while self._early:
-            index = min(self._early)
-            if index > self._next_index:
-                return  # a gap: wait for the missing chunk (or the Completion)
-            chunk = self._early.pop(index)
-            end = index + len(chunk.token_ids)
-            if end <= self._next_index:
-                continue  # wholly a duplicate
-            if index != self._next_index:
-                fresh = chunk.token_ids[self._next_index - index :]
-                chunk = msgspec.structs.replace(chunk, index=self._next_index, token_ids=fresh, text="")
-            self._queue.put_nowait(chunk)
-            self._next_index = end
-
-    def _finish(self, completion: Completion) -> None:
-        self.worker_id = completion.worker_id or self.worker_id
-        tail = completion.output_token_ids[self._next_index :]
-        if tail:
-            # Chunks lost or never sent: the Completion is authoritative for the output tokens.
-            self._queue.put_nowait(
-                TokenChunk(self.request_id, completion.worker_id, self._next_index, list(tail))
-            )
-            self._next_index += len(tail)
-        self._early.clear()
-        self._completion = completion
-        self._queue.put_nowait(completion)
-        self._done.set()
-
-    def close(self) -> None:
-        """Stop waiting: wake any reader; later replies are ignored."""
-        if not self._done.is_set():
-            self._closed = True
-            self._done.set()
-            self._queue.put_nowait(None)
-        if self._client is not None:
-            self._client.router.unregister(self.request_id)
-
-    # -- read by the caller -----------------------------------------------------------------------
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[TokenChunk]:
-        """Yield the request's TokenChunks in order until its Completion (see :meth:`result`).
-
-        ``timeout`` bounds the wait for each next reply; past it, :class:`RequestTimeout`.
-        """
-        while True:
-            try:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
-            except TimeoutError:
-                raise RequestTimeout(f"no reply for request {self.request_id} in {timeout}s") from None
-            if item is None:
-                raise RequestClosed(f"request {self.request_id} was closed")
-            if isinstance(item, Completion):
-                self._queue.put_nowait(item)  # keep it for result()
-                return
-            yield item
-
-    async def result(self, timeout: float | None = None) -> Completion:
-        """Wait for the Completion (chunks not read through :meth:`stream` are skipped)."""
-        try:
-            if not self._done.is_set():
-                await asyncio.wait_for(self._done.wait(), timeout)
-        except TimeoutError:
-            raise RequestTimeout(f"no completion for request {self.request_id} in {timeout}s") from None
-        if self._completion is None:
-            raise RequestClosed(f"request {self.request_id} was closed")
-        return self._completion
-
-    async def cancel(self, reason: str = "client_disconnected") -> None:
-        """Tell the fleet to stop this request (no-op once it has completed) and close the handle."""
-        if not self._done.is_set() and self._client is not None:
-            await self._client.send_cancel(self.request, reason, self.worker_id)
-        self.close()
-
-
-class ReplyRouter:
-    """Request id → waiting handle. Pure (no Kafka) so that ordering and dedup are unit-testable.
-
-    Invariant: a handle is registered before its request is published and stays registered until its
-    Completion is dispatched or it is closed; replies for any other id are counted and dropped.
-    """
-
-    def __init__(self) -> None:
-        self._handles: dict[str, RequestHandle] = {}
-        self.ignored = 0
-
-    def __len__(self) -> int:
-        return len(self._handles)
-
-    def register(self, handle: RequestHandle) -> None:
-        if handle.request_id in self._handles:
-            raise ClientError(f"request id {handle.request_id} is already waiting")
-        self._handles[handle.request_id] = handle
-
-    def unregister(self, request_id: str) -> None:
-        self._handles.pop(request_id, None)
-
-    def dispatch(self, message: Any) -> bool:
-        """Route one reply; True when a handle took it."""
-        if not isinstance(message, TokenChunk | Completion):
-            self.ignored += 1
-            return False
-        handle = self._handles.get(message.request_id)
-        if handle is None:
-            self.ignored += 1
-            return False
-        handle.deliver(message)
-        if isinstance(message, Completion):
-            self._handles.pop(message.request_id, None)
-        return True
-
-    def close_all(self) -> None:
-        for handle in list(self._handles.values()):
-            handle.close()
-        self._handles.clear()
-
-
-def _public_prefix_tokens(tokenizer: Tokenizer, prompts: Mapping[str, str]) -> list[tuple[str, list[int]]]:
-    # A public prefix is a whole leading system message, rendered exactly as render_chat renders it.
-    rendered = [
-        (name, render_chat(tokenizer, [ChatMessage("system", text)], add_generation_prompt=False))
-        for name, text in prompts.items()
-    ]
-    return sorted(rendered, key=lambda item: -len(item[1]))  # longest match wins
 
 
 class KvmeshClient:
@@ -235,7 +53,9 @@ class KvmeshClient:
     empty by default (nothing is shared unless a deployment says so). ``reply_topic`` is the catalog
     name of the topic this client reads; several clients may share one (each ignores foreign ids).
     With ``create_topics`` the client creates the requests topic and its reply topic if missing
-    (idempotent; turn off where the client may not create topics).
+    (idempotent; turn off where the client may not create topics). ``max_in_flight`` bounds the
+    requests submitted and not yet finished (None: unbounded); ``publish_retries`` is how many more
+    times a publish that failed on a retriable error is tried, all within ``publish_timeout_s``.
     """
 
     def __init__(
@@ -250,7 +70,14 @@ class KvmeshClient:
         model: str = "kvmesh-tiny",
         create_topics: bool = True,
         publish_timeout_s: float = 5.0,
+        publish_retries: int = 3,
+        retry_backoff_s: float = 0.05,
+        max_in_flight: int | None = 1024,
     ) -> None:
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1 (or None: unbounded)")
+        if publish_retries < 0 or retry_backoff_s < 0:
+            raise ValueError("publish_retries and retry_backoff_s must not be negative")
         self.kafka = kafka
         self.client_id = client_id
         self.reply_spec = dataclasses.replace(topics.REPLIES, name=reply_topic)
@@ -263,6 +90,12 @@ class KvmeshClient:
         # Bounds every publish: past it the broker is taken as down (a clear error now beats
         # aiokafka's own 40 s request timeout), and a cancel never holds up its caller.
         self.publish_timeout_s = publish_timeout_s
+        self.publish_retries = publish_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.max_in_flight = max_in_flight
+        self._slots = asyncio.Semaphore(max_in_flight) if max_in_flight is not None else None
+        #: Publishes tried again after a retriable failure (a counter for tests and dashboards).
+        self.publish_retried = 0
         #: Publishes that failed or timed out since the last one that succeeded (0: the broker takes
         #: records); intake reports itself unready while it is not 0.
         self.publish_failures = 0
@@ -399,34 +232,89 @@ class KvmeshClient:
             stop_token_ids=list(stop_token_ids),
         )
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished (completed, cancelled or closed)."""
+        return len(self.router)
+
+    async def chat(
+        self,
+        messages: Sequence[ChatMessage] | None = None,
+        *,
+        token_ids: Sequence[int] | None = None,
+        **fields: Any,
+    ) -> RequestHandle:
+        """Build a request (see :meth:`build_request`) and submit it: one call per chat turn."""
+        return await self.submit(self.build_request(messages, token_ids=token_ids, **fields))
+
     async def submit(self, request: ChatRequest) -> RequestHandle:
         """Publish ``request`` and return its handle (registered first, so no reply is missed).
 
-        Raises PublishTimeout when the broker does not take it within ``publish_timeout_s``; the
-        record may still be queued then, so a cancel follows it and the fleet drops it if it arrives.
+        Waits for a slot while ``max_in_flight`` requests are unfinished. Raises PublishTimeout when
+        the broker does not take it within ``publish_timeout_s`` (retriable failures are tried again
+        inside that time); the record may still be queued then, so a cancel follows it and the fleet
+        drops it if it arrives. Cancelling the caller while it publishes sends that cancel too.
         """
         if self._producer is None:
             raise ClientError("client is not started")
-        handle = RequestHandle(request, self)
-        self.router.register(handle)
+        if self._slots is not None:
+            await self._slots.acquire()
+        handle = RequestHandle(request, self, on_finished=self._release_slot)
         try:
-            await self._publish(request)
+            self.router.register(handle)
+        except BaseException:
+            self._release_slot()
+            raise
+        try:
+            await self._publish_with_retries(request)
         except TimeoutError:
-            self.router.unregister(request.request_id)
+            handle.close()
             self._spawn_cancel(request, "publish_timeout", None)
             raise PublishTimeout(
                 f"the broker did not take request {request.request_id} in {self.publish_timeout_s}s"
             ) from None
+        except asyncio.CancelledError:
+            # the record may be in the producer's queue already: make sure the fleet drops it
+            handle.close()
+            self._spawn_cancel(request, "client_cancelled", None)
+            raise
         except BaseException:
-            self.router.unregister(request.request_id)
+            handle.close()
             raise
         return handle
 
-    async def _publish(self, message: ChatRequest | CancelRequest) -> None:
+    def _release_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    async def _publish_with_retries(self, request: ChatRequest) -> None:
         from streams.producer import PublishError
 
+        deadline = time.monotonic() + self.publish_timeout_s
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                await self._publish(request, timeout_s=left)
+                return
+            except (TimeoutError, OSError, PublishError):
+                # retriable: the broker, not the record (the codec's refusals are not caught here)
+                attempt += 1
+                backoff = self.retry_backoff_s * 2 ** (attempt - 1)
+                if attempt > self.publish_retries or time.monotonic() + backoff >= deadline:
+                    raise
+                self.publish_retried += 1
+                log.info("publish of %s failed; trying again in %.2fs", request.request_id, backoff)
+                await asyncio.sleep(backoff)
+
+    async def _publish(self, message: ChatRequest | CancelRequest, timeout_s: float | None = None) -> None:
+        from streams.producer import PublishError
+
+        bound = self.publish_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(self._producer.send(topics.REQUESTS, message), self.publish_timeout_s)
+            await asyncio.wait_for(self._producer.send(topics.REQUESTS, message), bound)
         except (TimeoutError, OSError, PublishError):
             # the broker, not the record: a record refused by the codec says nothing about it
             self.publish_failures += 1
@@ -472,3 +360,12 @@ class KvmeshClient:
             raise
         except Exception as exc:  # the fleet then drops the request at its deadline
             log.warning("cancel of %s not published: %s", cancel.request_id, exc)
+
+
+def _public_prefix_tokens(tokenizer: Tokenizer, prompts: Mapping[str, str]) -> list[tuple[str, list[int]]]:
+    # A public prefix is a whole leading system message, rendered exactly as render_chat renders it.
+    rendered = [
+        (name, render_chat(tokenizer, [ChatMessage("system", text)], add_generation_prompt=False))
+        for name, text in prompts.items()
+    ]
+    return sorted(rendered, key=lambda item: -len(item[1]))  # longest match wins

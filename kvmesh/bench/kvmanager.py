@@ -41,6 +41,7 @@ from schemas.messages import KvEvent
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import Directory
 from services.kvmanager.service import KvManagerService
+from services.kvmanager.write_behind import DirectoryWriter
 from streams.admin import ensure_topics
 from streams.clock import now_ms
 from streams.embedded import EmbeddedBroker, EmbeddedRedis
@@ -101,11 +102,12 @@ async def apply_flush_only(redis: RedisSettings, events: list[KvEvent]) -> float
     try:
         await client.flushdb()
         d = Directory()
+        writer = DirectoryWriter(d)
         t0 = time.perf_counter()
         for start in range(0, len(events), 5000):
             for ev in events[start : start + 5000]:
                 d.apply_kv_event(ev)
-            await d.flush(client)
+            await writer.flush(client)
         dt = time.perf_counter() - t0
         await client.flushdb()
     finally:

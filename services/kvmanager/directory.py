@@ -1,13 +1,11 @@
-"""The fleet's block directory: which worker holds which block in which tier, persisted in Redis.
+"""The fleet's block directory in memory: which worker holds which block in which tier.
 
 The manager is the only writer. It keeps the directory in memory (authoritative while it runs) and
-writes the *changes* of each consumed batch to Redis in one Lua call (atomic), together with the Kafka
-offsets the batch reached, so Redis always holds a directory that is exactly "every record before
-these offsets, applied"::
+its write-behind (:mod:`services.kvmanager.write_behind`) writes the *changes* of each consumed batch
+to Redis in one Lua call (atomic), together with the Kafka offsets the batch reached, so Redis always
+holds a directory that is exactly "every record before these offsets, applied"::
 
-    kafka batch ──apply──▶ memory (+ dirty keys) ──flush: one Lua call──▶ Redis
-                                                     holders / wrk / workers / offsets /
-                                                     seqs / stats / version (INCR)
+    kafka batch ──apply──▶ Directory (+ DirtyKeys) ──DirectoryWriter: one Lua call──▶ Redis
 
 Redis layout: see :mod:`services.fleet_directory.layout`.
 
@@ -27,30 +25,17 @@ of the current state), so re-sending a flush whose reply was lost is harmless to
 
 from __future__ import annotations
 
-import functools
-import itertools
-import json
 import logging
-import operator
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
-
-import msgpack
-import redis.asyncio as aioredis
 
 from schemas.messages import ChatRequest, KvEvent, LoadReport
 from schemas.token_ids import int_list
-from services.fleet_directory.layout import (
-    APPLY_LUA,
-    REDIS_DOWN_ERRORS,
-    VERSION_KEY,
-    valid_worker_id,
-)
+from services.fleet_directory.layout import valid_worker_id
+from services.kvmanager.dirty_keys import DirtyKeys
 
 log = logging.getLogger(__name__)
-
 
 #: The holders of one block in memory: ``((worker, tier, last_ms), ...)`` sorted by worker id.
 #: A tuple of tuples of str/int, not a dict: CPython's collector stops tracking such tuples once they
@@ -58,26 +43,6 @@ log = logging.getLogger(__name__)
 #: collections of the manager process (with a dict per block, each full collection walked all of
 #: them: pauses of 200-500 ms at 400 000 blocks, straight into the event → Redis lag).
 Holders = tuple[tuple[str, str, int], ...]
-
-
-def _encode_entries(entries: Holders) -> str:
-    """The ``kvm:holders`` value of in-memory holders (already sorted by worker id)."""
-    if len(entries) == 1:
-        w, t, ms = entries[0]
-        return f"{w}={t}:{ms}"
-    return ",".join(f"{w}={t}:{ms}" for w, t, ms in entries)
-
-
-def _encode_or_empty(entries: Holders | None) -> str:
-    return _encode_entries(entries) if entries else ""
-
-
-def _interleave(keys: list[str], values: list[str]) -> list[str]:
-    """``[k0, v0, k1, v1, …]`` (HSET arguments) by slice assignment, without a per-item loop."""
-    out = [""] * (2 * len(keys))
-    out[::2] = keys
-    out[1::2] = values
-    return out
 
 
 def _with_holder(entries: Holders, worker: str, tier: str, when: int) -> Holders:
@@ -89,10 +54,6 @@ def _with_holder(entries: Holders, worker: str, tier: str, when: int) -> Holders
     if len(out) > 1:
         out.sort()
     return tuple(out)
-
-
-def _entries_of(holders: dict[str, tuple[str, int]]) -> Holders:
-    return tuple(sorted((w, t, ms) for w, (t, ms) in holders.items()))
 
 
 def worker_info(report: LoadReport) -> dict[str, Any]:
@@ -113,63 +74,13 @@ def worker_info(report: LoadReport) -> dict[str, Any]:
     }
 
 
-@dataclass(slots=True)
-class _Dirty:
-    """Keys changed since the last successful flush. Values are read from memory when the flush is
-    built, so each key is written once with its latest value however often it changed."""
-
-    blocks: set[int] = field(default_factory=set)  # kvm:holders fields (holders or parent changed)
-    worker_add: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
-    worker_rem: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
-    worker_reset: set[str] = field(default_factory=set)  # rewrite the whole set (after a clear)
-    workers: set[str] = field(default_factory=set)
-    offsets: bool = False
-    seqs: set[tuple[str, int, str]] = field(default_factory=set)
-    stats: bool = False
-
-    def size(self) -> int:
-        return (
-            len(self.blocks)
-            + sum(len(s) for s in self.worker_add.values())
-            + sum(len(s) for s in self.worker_rem.values())
-            + len(self.workers)
-            + len(self.seqs)
-        )
-
-    def empty(self) -> bool:
-        return not (
-            self.blocks
-            or self.worker_add
-            or self.worker_rem
-            or self.worker_reset
-            or self.workers
-            or self.offsets
-            or self.seqs
-            or self.stats
-        )
-
-
-@dataclass(slots=True)
-class PendingFlush:
-    """One flush taken from the directory (:meth:`Directory.take_flush`) and not yet confirmed.
-
-    ``payload`` is the script argument, built from memory at take time, so the directory may go on
-    changing while it is sent. ``event_ms`` is free for the caller (the service keeps there the event
-    times of the KvEvents the flush makes durable).
-    """
-
-    payload: bytes
-    dirty: _Dirty
-    event_ms: list[int] = field(default_factory=list)
-
-
 class Directory:
-    """The in-memory directory and its write-behind to Redis.
+    """The in-memory directory and the keys its changes touched.
 
     Owns: holders per block (tier, last use), parent links, each worker's block set, worker info,
-    consumed offsets, per-(topic, partition, producer) applied seqs and hit/miss counters. Only
-    :meth:`flush` talks to Redis; everything else is synchronous and pure in-memory, so the same
-    object is used live, in tests and in the benchmark.
+    consumed offsets, per-(topic, partition, producer) applied seqs and hit/miss counters. Synchronous
+    and pure: it never talks to Redis (its :class:`~services.kvmanager.write_behind.DirectoryWriter`
+    does), so the same object is used live, in tests, in the benchmark and in the simulator's reading.
     """
 
     def __init__(self) -> None:
@@ -181,10 +92,7 @@ class Directory:
         self.seqs: dict[tuple[str, int, str], int] = {}
         self.stats: dict[str, int] = defaultdict(int)
         self.max_event_ms = 0
-        self._dirty = _Dirty()
-        # kvm:version after our last flush; None until the first flush or load.
-        self._version: int | None = None
-        self.full_rewrites = 0
+        self._dirty = DirtyKeys()
         self._valid_ids: set[str] = set()
 
     def _check_id(self, worker_id: str) -> bool:
@@ -381,118 +289,20 @@ class Directory:
             del self.blocks[h]
             self.parents.pop(h, None)
 
-    # ---- Redis ------------------------------------------------------------------------------------
+    # ---- the change set (read by the write-behind) ------------------------------------------------
 
-    def _payload(self, d: _Dirty, unlink: list[str] | None = None) -> bytes:
-        """The writes of ``d`` as one MessagePack map for :data:`APPLY_LUA` (hashes as decimal text:
-        Lua numbers are doubles and would round 64-bit hashes)."""
-        # Per key only C-level map/compress/slice work and one f-string: a flush carries a few
-        # keys per block update.
-        get = self.blocks.get
-        changed = list(d.blocks)
-        # Holders tuples are shared by the blocks of one event: each distinct tuple is encoded once.
-        encode = functools.lru_cache(maxsize=None)(_encode_or_empty)
-        values = list(map(encode, map(get, changed)))
-        hd: list[str] = []
-        if "" in values:  # blocks nobody holds any more
-            held = list(map(bool, values))
-            hd = list(map(str, itertools.compress(changed, map(operator.not_, held))))
-            changed = list(itertools.compress(changed, held))
-            values = list(filter(None, values))
-        parents = list(map(self.parents.get, changed))
-        values = [e if p is None else f"{p}|{e}" for p, e in zip(parents, values, strict=True)]
-        hs = _interleave(list(map(str, changed)), values)
-        wa: dict[str, list[str]] = {}
-        wr: dict[str, list[str]] = {}
-        for w in d.worker_reset:
-            members = self.worker_blocks.get(w)
-            if members:
-                wa[w] = list(map(str, members))
-        for w, added in d.worker_add.items():
-            if added and w not in d.worker_reset:
-                wa[w] = list(map(str, added))
-        for w, removed in d.worker_rem.items():
-            if removed and w not in d.worker_reset:
-                wr[w] = list(map(str, removed))
-        info_set: list[str] = []
-        for w in d.workers:
-            if w in self.workers:
-                info_set += (w, json.dumps(self.workers[w], sort_keys=True))
-        payload = {
-            "unlink": unlink or [],
-            "hs": hs,
-            "hd": hd,
-            "wx": sorted(d.worker_reset),
-            "wa": wa,
-            "wr": wr,
-            "is": info_set,
-            "id": [w for w in d.workers if w not in self.workers],
-            "os": [x for (t, p), o in self.offsets.items() for x in (f"{t}:{p}", str(o))]
-            if d.offsets
-            else [],
-            "ss": [x for t, p, pr in d.seqs for x in (f"{t}:{p}:{pr}", str(self.seqs[(t, p, pr)]))],
-            "st": [x for k, v in self.stats.items() for x in (k, str(v))] if d.stats else [],
-        }
-        packed: bytes = msgpack.packb(payload, use_bin_type=False)
-        return packed
-
-    async def _apply(self, client: aioredis.Redis, payload: bytes) -> int:
-        script = getattr(client, "_kvm_apply_script", None)
-        if script is None:
-            script = client.register_script(APPLY_LUA)
-            client._kvm_apply_script = script  # type: ignore[attr-defined]  # one per client
-        return int(await script(keys=[], args=[payload]))
-
-    async def flush(self, client: aioredis.Redis) -> bool:
-        """Write every change since the last flush atomically (one Lua call). False if Redis is down.
-
-        The same as :meth:`take_flush` then :meth:`send_flush`; on failure nothing is lost: the
-        changes stay coalesced in memory and the next flush sends them (with newer ones folded in).
-        """
-        pending = self.take_flush()
-        return pending is None or await self.send_flush(client, pending)
-
-    def take_flush(self) -> PendingFlush | None:
-        """Build the next flush from memory and start a new change set; None if nothing changed.
-
-        The directory may be changed while the flush is sent (the payload is already built); at most
-        one flush may be in flight, and every taken flush must be handed to :meth:`send_flush`, which
-        puts its changes back if it fails.
-        """
+    def take_changes(self) -> DirtyKeys | None:
+        """The keys changed since the last call, and a fresh change set; None if nothing changed."""
         if self._dirty.empty():
             return None
-        d = self._dirty
-        self._dirty = _Dirty()
-        return PendingFlush(self._payload(d), d)
+        d, self._dirty = self._dirty, DirtyKeys()
+        return d
 
-    async def send_flush(self, client: aioredis.Redis, pending: PendingFlush) -> bool:
-        """Write a taken flush. False if Redis is down (its changes are then folded back into the
-        current ones, to be sent again with the next flush).
+    def reset(self) -> None:
+        """Forget everything (before a load from Redis)."""
+        self.__init__()  # type: ignore[misc]  # every field back to its initial value
 
-        If ``kvm:version`` did not advance by exactly one, Redis lost its data (a restart without
-        persistence) or someone else wrote it: the whole directory is then rewritten from memory.
-        """
-        try:
-            version = await self._apply(client, pending.payload)
-            if self._version is not None and version != self._version + 1:
-                log.warning(
-                    "directory in Redis is not the one this manager wrote (version %d, expected %d): "
-                    "rewriting it whole from memory",
-                    version,
-                    self._version + 1,
-                )
-                version = await self._rewrite_all(client)
-        except REDIS_DOWN_ERRORS as exc:
-            log.debug("directory flush failed: %s", exc)
-            self._restore(pending.dirty)
-            return False
-        except BaseException:
-            self._restore(pending.dirty)
-            raise
-        self._version = version
-        return True
-
-    def _restore(self, old: _Dirty) -> None:
+    def restore_changes(self, old: DirtyKeys) -> None:
         """Fold the changes of a failed flush back into the current ones (memory is authoritative:
         only the keys matter, except for worker set members, which are re-derived from memory)."""
         d = self._dirty
@@ -516,55 +326,3 @@ class Directory:
                 else:
                     d.worker_rem[w].add(h)
                     d.worker_add[w].discard(h)
-
-    async def verify(self, client: aioredis.Redis) -> bool:
-        """Rewrite Redis from memory if it no longer holds the directory this manager last wrote.
-
-        Returns True if a rewrite was needed. Raises a REDIS_DOWN_ERRORS error if Redis is down.
-        """
-        if self._version is None:
-            return False
-        raw = await client.get(VERSION_KEY)
-        if int(raw or 0) == self._version:
-            return False
-        log.warning("directory in Redis is gone or foreign (version %s): rewriting it from memory", raw)
-        self._version = await self._rewrite_all(client)
-        self._dirty = _Dirty()
-        return True
-
-    async def _rewrite_all(self, client: aioredis.Redis) -> int:
-        """Replace every ``kvm:*`` key with the in-memory directory in one script call; returns version."""
-        stale = [
-            k.decode() if isinstance(k, bytes) else k
-            async for k in client.scan_iter(match="kvm:*", count=1000)
-        ]
-        full = _Dirty()
-        full.blocks = set(self.blocks)
-        full.worker_reset = set(self.worker_blocks)
-        full.workers = set(self.workers)
-        full.offsets = True
-        full.seqs = set(self.seqs)
-        full.stats = True
-        version = await self._apply(client, self._payload(full, unlink=stale))
-        self.full_rewrites += 1
-        return version
-
-    async def load(self, client: aioredis.Redis) -> None:
-        """Rebuild the in-memory directory from Redis (cold start after a restart of the manager)."""
-        from services.fleet_directory.snapshot import read_raw
-
-        raw = await read_raw(client)
-        self.__init__()  # type: ignore[misc]  # reset every field before filling it
-        for h, holders in raw.blocks.items():
-            self.blocks[h] = _entries_of(holders)
-            for w in holders:
-                self.worker_blocks.setdefault(w, set()).add(h)
-        self.parents = dict(raw.parents)
-        self.workers = dict(raw.workers)
-        for topic, parts in raw.offsets.items():
-            for p, o in parts.items():
-                self.offsets[(topic, p)] = o
-        self.seqs = dict(raw.seqs)
-        self.stats.update(raw.stats)
-        self.max_event_ms = max([0, *(int(i.get("last_seen_ms", 0)) for i in self.workers.values())])
-        self._version = raw.version

@@ -34,10 +34,11 @@ from schemas.messages import ChatRequest, KvEvent, LoadReport, ReplicateCommand,
 from schemas.report_signing import ReportCheck
 from services.fleet_directory.layout import REDIS_DOWN_ERRORS
 from services.kvmanager.config import KvManagerSettings
-from services.kvmanager.directory import Directory, PendingFlush
+from services.kvmanager.directory import Directory
 from services.kvmanager.liveness import liveness_now, lost_workers, worker_lost_message
 from services.kvmanager.metrics import KvManagerMetrics
 from services.kvmanager.placement import PlacementConfig, PlacementEngine
+from services.kvmanager.write_behind import DirectoryWriter, PendingFlush
 from streams.admin import ensure_topics
 from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
@@ -92,6 +93,7 @@ class KvManagerService:
         self.clock = clock
         self.on_flush = on_flush
         self.directory = Directory()
+        self.writer = DirectoryWriter(self.directory)
         self.placement = PlacementEngine(placement_config(settings))
         self.redis: aioredis.Redis | None = None
         self.consumer: TypedConsumer | None = None
@@ -160,7 +162,7 @@ class KvManagerService:
         warned = False
         while True:
             try:
-                await self.directory.load(self.redis)
+                await self.writer.load(self.redis)
                 return
             except REDIS_DOWN_ERRORS as exc:
                 if not warned:
@@ -329,7 +331,7 @@ class KvManagerService:
                 # Idle: check that Redis still holds our directory (it may have restarted empty).
                 self._next_verify = wall + 1000
                 with contextlib.suppress(*REDIS_DOWN_ERRORS):
-                    await self.directory.verify(self.redis)
+                    await self.writer.verify(self.redis)
                 # redis-py can absorb a cancellation (stop()) that lands in its read and retry or
                 # raise a connection error instead: do not let it swallow the cancel, or stop()
                 # waits for a loop that never ends.
@@ -339,7 +341,7 @@ class KvManagerService:
             return
         if not force and not self._redis_ok and wall < self._next_redis_try:
             return
-        pending = self.directory.take_flush()
+        pending = self.writer.take_flush()
         if pending is None:
             return
         pending.event_ms, self._unflushed_event_ms = self._unflushed_event_ms, []
@@ -363,7 +365,7 @@ class KvManagerService:
 
     async def _send(self, pending: PendingFlush) -> bool:
         assert self.redis is not None
-        ok = await self.directory.send_flush(self.redis, pending)
+        ok: bool = await self.writer.send_flush(self.redis, pending)
         if ok:
             if not self._redis_ok:
                 log.warning("Redis reachable again: buffered directory changes written")

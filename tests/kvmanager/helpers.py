@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import weakref
+
 from schemas.messages import ChatRequest, KvEvent, LoadReport, TierUsage
 from services.kvmanager.directory import Directory
+from services.kvmanager.write_behind import DirectoryWriter
 from streams.topics import KV_EVENTS, LOAD
 
 
@@ -75,3 +78,15 @@ def feed(d: Directory, records: list[tuple[int, int, object]], producer: str = "
                 d.apply_kv_event(msg)
             elif isinstance(msg, LoadReport):
                 d.apply_load(msg)
+
+
+_WRITERS: weakref.WeakKeyDictionary[Directory, DirectoryWriter] = weakref.WeakKeyDictionary()
+
+
+def w(d: Directory) -> DirectoryWriter:
+    """The one write-behind of ``d`` (the service keeps one per directory: it remembers the version
+    it last wrote)."""
+    writer = _WRITERS.get(d)
+    if writer is None:
+        writer = _WRITERS[d] = DirectoryWriter(d)
+    return writer

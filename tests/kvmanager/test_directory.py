@@ -19,7 +19,7 @@ from services.fleet_directory.snapshot import fleet_copies, read_raw, read_snaps
 from services.kvmanager.directory import Directory
 from streams.topics import KV_EVENTS, LOAD
 
-from .helpers import cleared, feed, load, moved, removed, stored
+from .helpers import cleared, feed, load, moved, removed, stored, w
 
 EVENTS: list[tuple[int, int, object]] = [
     (0, 10, stored("w1", [11, 12, 13], ms=100)),
@@ -105,9 +105,9 @@ async def test_flush_snapshot_and_offsets(redis_settings) -> None:
     try:
         d = Directory()
         feed(d, EVENTS[:4])
-        assert await d.flush(client)
+        assert await w(d).flush(client)
         feed(d, EVENTS[4:])
-        assert await d.flush(client)
+        assert await w(d).flush(client)
         snap = await read_snapshot(client)
         assert snap.blocks == {11: {"w1": "gpu", "w2": "dram"}, 12: {"w1": "gpu"}, 13: {"w1": "dram"}}
         assert snap.parents == {11: 0, 12: 11, 13: 12}
@@ -130,10 +130,10 @@ async def test_flush_snapshot_and_offsets(redis_settings) -> None:
         }
         # A manager restarted from Redis holds the same directory and skips what it already applied.
         again = Directory()
-        await again.load(client)
+        await w(again).load(client)
         assert state(again) == state(d)
         feed(again, EVENTS)
-        assert not again.has_dirty() or await again.flush(client)
+        assert not again.has_dirty() or await w(again).flush(client)
         assert (await read_snapshot(client)).blocks == snap.blocks
     finally:
         await client.aclose()
@@ -145,13 +145,13 @@ async def test_flushing_in_any_batches_gives_the_same_redis(redis_settings) -> N
     try:
         whole = Directory()
         feed(whole, EVENTS)
-        await whole.flush(client)
+        await w(whole).flush(client)
         expected = await redis_contents(client)
         await client.flushdb()
         step = Directory()
         for rec in EVENTS:
             feed(step, [rec])
-            await step.flush(client)
+            await w(step).flush(client)
         assert await redis_contents(client) == expected
     finally:
         await client.aclose()
@@ -163,23 +163,23 @@ async def test_redis_restart_without_data_is_rewritten_whole(redis_server, redis
     try:
         d = Directory()
         feed(d, EVENTS[:5])
-        await d.flush(client)
+        await w(d).flush(client)
         await client.aclose()
         redis_server.stop()
         client = aioredis.from_url(redis_settings.url, socket_connect_timeout=0.5)
         feed(d, EVENTS[5:])
-        assert not await d.flush(client)  # down: changes stay buffered
+        assert not await w(d).flush(client)  # down: changes stay buffered
         assert d.has_dirty()
         redis_server.start()
-        assert await d.flush(client)
-        assert d.full_rewrites == 1
+        assert await w(d).flush(client)
+        assert w(d).full_rewrites == 1
         reference = Directory()
         feed(reference, EVENTS)
         await client.flushdb()
-        await reference.flush(client)
+        await w(reference).flush(client)
         ref_snap = await read_raw(client)
         await client.flushdb()
-        await d.verify(client)  # notices the empty Redis, rewrites
+        await w(d).verify(client)  # notices the empty Redis, rewrites
         got = await read_raw(client)
         assert (got.blocks, got.parents, got.offsets, got.workers, got.seqs) == (
             ref_snap.blocks,
@@ -218,26 +218,26 @@ async def test_changes_applied_while_a_flush_is_in_flight_or_after_it_failed_are
     try:
         reference = Directory()
         feed(reference, EVENTS)
-        await reference.flush(client)
+        await w(reference).flush(client)
         expected = await redis_contents(client)
         await client.flushdb()
 
         d = Directory()
         feed(d, EVENTS[:3])
-        first = d.take_flush()
+        first = w(d).take_flush()
         assert first is not None and not d.has_dirty()
         feed(d, EVENTS[3:5])  # applied while `first` is on its way
-        assert await d.send_flush(client, first)
+        assert await w(d).send_flush(client, first)
         assert d.has_dirty()
         await client.aclose()
         redis_server.stop()
         client = aioredis.from_url(redis_settings.url, socket_connect_timeout=0.5)
-        second = d.take_flush()
+        second = w(d).take_flush()
         assert second is not None
         feed(d, EVENTS[5:])  # w3 stored then cleared, w2 reports: newer than `second`
-        assert not await d.send_flush(client, second)  # Redis down: folded back
+        assert not await w(d).send_flush(client, second)  # Redis down: folded back
         redis_server.start()  # empty again: the next flush notices and rewrites
-        assert await d.flush(client)
+        assert await w(d).flush(client)
         assert await redis_contents(client) == expected
         assert not d.has_dirty()
     finally:
@@ -250,19 +250,19 @@ async def test_failed_flush_restores_worker_set_changes_from_memory(redis_server
     try:
         d = Directory()
         feed(d, [(0, 1, stored("w1", [1, 2], ms=10))])
-        assert await d.flush(client)
+        assert await w(d).flush(client)
         feed(d, [(1, 2, removed("w1", [2], ms=11))])
-        pending = d.take_flush()
+        pending = w(d).take_flush()
         assert pending is not None
         feed(d, [(2, 3, stored("w1", [2], ms=12)), (3, 4, moved("w1", [1], to="dram", frm="gpu", ms=13))])
         await client.aclose()
         redis_server.stop()
         client = aioredis.from_url(redis_settings.url, socket_connect_timeout=0.5)
-        assert not await d.send_flush(client, pending)
+        assert not await w(d).send_flush(client, pending)
         redis_server.start()
         await client.aclose()
         client = aioredis.from_url(redis_settings.url)
-        await d.flush(client)  # Redis came back empty: rewritten whole from memory
+        await w(d).flush(client)  # Redis came back empty: rewritten whole from memory
         assert await client.smembers(worker_key("w1")) == {b"1", b"2"}
         assert await fleet_copies(client, [1, 2]) == [1, 1]
         assert await client.hget(HOLDERS_KEY, "1") == b"0|w1=dram:13"
@@ -273,12 +273,12 @@ async def test_failed_flush_restores_worker_set_changes_from_memory(redis_server
 def test_restore_rederives_worker_set_members_from_memory() -> None:
     d = Directory()
     feed(d, [(0, 1, stored("w1", [1, 2], ms=10))])
-    d._dirty = type(d._dirty)()  # as if flushed
+    d.take_changes()  # as if flushed
     feed(d, [(1, 2, removed("w1", [2], ms=11))])
-    pending = d.take_flush()
+    pending = w(d).take_flush()
     assert pending is not None
     feed(d, [(2, 3, stored("w1", [2], ms=12))])  # re-stored after the flush was taken
-    d._restore(pending.dirty)
+    d.restore_changes(pending.dirty)
     assert d._dirty.worker_add["w1"] == {2} and not d._dirty.worker_rem["w1"]
     assert 2 in d._dirty.blocks
 

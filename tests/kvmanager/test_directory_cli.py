@@ -13,7 +13,7 @@ from schemas.blocks import block_hashes, tenant_namespace
 from services.kvmanager import directory_cli
 from services.kvmanager.directory import Directory
 
-from .helpers import load, request, stored
+from .helpers import load, request, stored, w
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ def populate(url: str) -> None:
         d.apply_kv_event(stored("w2", hashes[:2], tier="dram"))
         d.observe_lookup(request("s", "r", [*hashes, 5], ms=100))
         client = aioredis.from_url(url)
-        await d.flush(client)
+        await w(d).flush(client)
         await client.aclose()
 
     asyncio.run(go())

@@ -1,5 +1,12 @@
 """Workload generators: timed :class:`~schemas.messages.ChatRequest` streams for the simulator and benches.
 
+One generator per synthetic shape, for the simulator and the live bench alike: it builds a
+:class:`Workload` of :class:`Session` s, each a list of :class:`Turn` s holding only the tokens the
+turn *appends*. A live run (``kvmesh bench fleet``) builds each next prompt from the previous prompt
+and the answer the model REALLY gave; :func:`open_loop` builds the simulator's requests of the same
+shape, with seeded placeholder answers. So the same spec gives the same prompts to both, up to the
+answers, which only the live fleet knows.
+
 Every generator yields real ChatRequests in arrival order (``arrival_ms`` non-decreasing), with
 ``block_hashes`` computed by :func:`schemas.blocks.block_hashes` over the request's token ids, so the
 scheduler sees exactly what intake would publish. ``max_tokens`` is the request's output length (the
@@ -7,19 +14,22 @@ simulator generates exactly that many tokens).
 
 Shapes:
 
-* :func:`multiturn` -- LMCache / vLLM multi-round QA: ``users`` conversations, each prompt is the shared
-  system prompt, the user's own history, every earlier question and answer, then the new question::
+* :func:`multiturn` (:func:`multiturn_sessions`) -- LMCache / vLLM multi-round QA: ``users``
+  conversations, each prompt is the shared (public) system prompt, the user's own history, every
+  earlier question and answer, then the new question::
 
       round r prompt:  SYS(s) | HIST_u(h) | q0 a0 | q1 a1 | ... | q_r        (answer a_r: max_tokens)
 
-* :func:`shared_prefix` -- SGLang "generated shared prefix": ``groups`` long prefixes, each followed by
-  ``per_group`` different questions, arrivals shuffled.
+* :func:`shared_prefix` (:func:`shared_prefix_sessions`) -- SGLang "generated shared prefix":
+  ``groups`` long prefixes, each followed by ``per_group`` different questions, arrivals shuffled.
 * :func:`mooncake_trace` -- Mooncake-format JSON lines (``timestamp`` ms, ``input_length``,
   ``output_length``, ``hash_ids`` of ``trace_block_size``-token blocks). The same hash id means the same
   block of tokens: block ``i``'s tokens are a fixed function of its id (:func:`tokens_for_id`), so equal
   ids give equal tokens, and because the trace's ids are prefix-chained, equal chained hashes follow.
   Pass ``block_size == trace_block_size`` (512, what the simulator does for traces) to get one request
   block per trace id; a smaller block size cuts each trace block into several.
+* :func:`mooncake_sessions` -- a Mooncake trace for a live fleet: every length scaled by ``token_scale``,
+  each trace block's tokens taken modulo the byte alphabet.
 * :func:`azure_trace` -- Azure LLM inference CSV (``TIMESTAMP``, ``ContextTokens``, ``GeneratedTokens``):
   no prefix information, so every prompt is unique tokens.
 
@@ -31,7 +41,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +55,10 @@ from schemas.messages import ChatRequest
 
 #: Token ids synthesized by the generators stay below this (a Llama-sized vocabulary).
 VOCAB_SIZE = 32000
+
+#: Token ids of the synthetic workloads are bytes: valid for any vocabulary, the tiny byte-level test
+#: models' (320) included, so the same spec gives the same prompts to the simulator and a live fleet.
+TOKEN_ALPHABET = 256
 
 #: Tokens per hash id in Mooncake traces.
 MOONCAKE_BLOCK_SIZE = 512
@@ -81,6 +95,82 @@ def _random_tokens(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, VOCAB_SIZE, size=max(n, 0), dtype=np.int64)
 
 
+# ------------------------------------------------------------------------------- sessions (the one generator)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of a session: the tokens it appends to the session's context, and its answer length."""
+
+    append_tokens: tuple[int, ...]
+    max_tokens: int
+    due_s: float  # earliest submit time, seconds after the run starts
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """One user's turns, played strictly in order; ``carry_output`` puts each real answer in the context."""
+
+    session_id: str
+    turns: tuple[Turn, ...]
+    tenant: str = "default"
+    carry_output: bool = True
+    #: Leading tokens of every prompt of the session that are a public prefix (shared across tenants).
+    public_prefix_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Sessions (played concurrently) plus the parameters that produced them (for the JSON output)."""
+
+    name: str
+    sessions: tuple[Session, ...]
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+
+def _bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, TOKEN_ALPHABET, size=max(n, 0), dtype=np.int64)
+
+
+def _tuple(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(x) for x in a)
+
+
+def open_loop(workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0) -> list[ChatRequest]:
+    """The workload as open-loop requests (arrival = due time), in arrival order: what the simulator
+    plays (a live run builds each next prompt from the real answer instead).
+
+    A carried answer is ``max_tokens`` seeded placeholder tokens: the simulator generates exactly that
+    many, and what matters for reuse is only that the next prompt starts with the same tokens.
+    """
+    rng = np.random.default_rng(seed)
+    out: list[ChatRequest] = []
+    for s in workload.sessions:
+        context = np.zeros(0, dtype=np.int64)
+        for r, turn in enumerate(s.turns):
+            prompt = np.concatenate([context, np.asarray(turn.append_tokens, dtype=np.int64)])
+            out.append(
+                make_request(
+                    request_id=f"{s.session_id}-r{r}",
+                    session_id=s.session_id,
+                    tenant=s.tenant,
+                    tokens=prompt,
+                    max_tokens=turn.max_tokens,
+                    arrival_ms=round(turn.due_s * 1000.0),
+                    block_size=block_size,
+                    public_prefix_tokens=min(s.public_prefix_tokens, len(prompt)),
+                )
+            )
+            answer = _bytes(rng, turn.max_tokens) if s.carry_output else np.zeros(0, dtype=np.int64)
+            context = np.concatenate([prompt, answer])
+    out.sort(key=lambda req: req.arrival_ms)  # stable: a session's turns keep their order
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- multi-turn
 
 
@@ -104,36 +194,45 @@ class MultiTurnSpec:
     seed: int = 0
 
 
-def multiturn(spec: MultiTurnSpec, block_size: int = DEFAULT_BLOCK_SIZE) -> Iterator[ChatRequest]:
-    """Yield the rounds of ``spec.users`` conversations in arrival order.
-
-    The system prompt is declared public (``public_prefix_tokens``) so tenants share its blocks.
-    """
+def multiturn_sessions(spec: MultiTurnSpec) -> Workload:
+    """``spec.users`` conversations of ``spec.rounds`` turns: turn 0 appends SYS | HIST_u | q0, turn r
+    appends q_r; user u's round r is due ``(r * users + u) / qps`` seconds into the run."""
     if spec.users < 1 or spec.rounds < 1 or spec.qps <= 0:
         raise WorkloadError("multiturn needs users >= 1, rounds >= 1 and qps > 0")
     rng = np.random.default_rng(spec.seed)
-    system = _random_tokens(rng, spec.system_prompt_tokens)
-    # Each user's context so far (system prompt + history + earlier questions and answers).
-    contexts = [np.concatenate([system, _random_tokens(rng, spec.history_tokens)]) for _ in range(spec.users)]
-    gap_ms = 1000.0 / spec.qps
-    k = 0
-    for r in range(spec.rounds):
-        for u in range(spec.users):
-            question = _random_tokens(rng, spec.question_tokens)
-            prompt = np.concatenate([contexts[u], question])
-            tenant = f"tenant-{u % max(spec.tenants, 1)}"
-            yield make_request(
-                request_id=f"mt-u{u}-r{r}",
-                session_id=f"mt-u{u}",
-                tenant=tenant,
-                tokens=prompt,
-                max_tokens=spec.answer_tokens,
-                arrival_ms=round(k * gap_ms),
-                block_size=block_size,
-                public_prefix_tokens=spec.system_prompt_tokens,
-            )
-            contexts[u] = np.concatenate([prompt, _random_tokens(rng, spec.answer_tokens)])
-            k += 1
+    system = _bytes(rng, spec.system_prompt_tokens)
+    history = [_bytes(rng, spec.history_tokens) for _ in range(spec.users)]
+    questions = [[_bytes(rng, spec.question_tokens) for _ in range(spec.rounds)] for _ in range(spec.users)]
+    sessions = []
+    for u in range(spec.users):
+        turns = []
+        for r in range(spec.rounds):
+            appended = np.concatenate([system, history[u], questions[u][r]]) if r == 0 else questions[u][r]
+            due = (r * spec.users + u) / spec.qps
+            turns.append(Turn(_tuple(appended), spec.answer_tokens, due))
+        tenant = f"tenant-{u % max(spec.tenants, 1)}"
+        # the system prompt is public: every tenant's users share its blocks
+        sessions.append(
+            Session(f"mt-u{u}", tuple(turns), tenant, public_prefix_tokens=spec.system_prompt_tokens)
+        )
+    params = {
+        "users": spec.users,
+        "rounds": spec.rounds,
+        "system_prompt_tokens": spec.system_prompt_tokens,
+        "history_tokens": spec.history_tokens,
+        "question_tokens": spec.question_tokens,
+        "answer_tokens": spec.answer_tokens,
+        "qps": spec.qps,
+        "tenants": spec.tenants,
+        "seed": spec.seed,
+    }
+    return Workload("multiturn", tuple(sessions), params)
+
+
+def multiturn(spec: MultiTurnSpec, block_size: int = DEFAULT_BLOCK_SIZE) -> Iterator[ChatRequest]:
+    """The rounds of ``spec.users`` conversations as open-loop requests, in arrival order (the
+    simulator's view of :func:`multiturn_sessions`; the system prompt is declared public)."""
+    return iter(open_loop(multiturn_sessions(spec), block_size, seed=spec.seed))
 
 
 # ------------------------------------------------------------------------------------------- shared prefix
@@ -152,26 +251,35 @@ class SharedPrefixSpec:
     seed: int = 0
 
 
-def shared_prefix(spec: SharedPrefixSpec, block_size: int = DEFAULT_BLOCK_SIZE) -> Iterator[ChatRequest]:
-    """Yield ``groups * per_group`` requests, each a group prefix plus its own question, shuffled."""
+def shared_prefix_sessions(spec: SharedPrefixSpec) -> Workload:
+    """``groups * per_group`` single-turn requests: a group prefix plus an own question, shuffled."""
     if spec.groups < 1 or spec.per_group < 1 or spec.qps <= 0:
         raise WorkloadError("shared_prefix needs groups >= 1, per_group >= 1 and qps > 0")
     rng = np.random.default_rng(spec.seed)
-    prefixes = [_random_tokens(rng, spec.prefix_tokens) for _ in range(spec.groups)]
+    prefixes = [_bytes(rng, spec.prefix_tokens) for _ in range(spec.groups)]
     order = [(g, i) for g in range(spec.groups) for i in range(spec.per_group)]
     rng.shuffle(order)
-    gap_ms = 1000.0 / spec.qps
+    sessions = []
     for k, (g, i) in enumerate(order):
-        prompt = np.concatenate([prefixes[g], _random_tokens(rng, spec.question_tokens)])
-        yield make_request(
-            request_id=f"sp-g{g}-{i}",
-            session_id=f"sp-g{g}-{i}",
-            tenant="tenant-0",
-            tokens=prompt,
-            max_tokens=spec.output_tokens,
-            arrival_ms=round(k * gap_ms),
-            block_size=block_size,
-        )
+        prompt = np.concatenate([prefixes[g], _bytes(rng, spec.question_tokens)])
+        turn = Turn(_tuple(prompt), spec.output_tokens, k / spec.qps)
+        sessions.append(Session(f"sp-g{g}-{i}", (turn,), tenant="tenant-0", carry_output=False))
+    params = {
+        "groups": spec.groups,
+        "per_group": spec.per_group,
+        "prefix_tokens": spec.prefix_tokens,
+        "question_tokens": spec.question_tokens,
+        "output_tokens": spec.output_tokens,
+        "qps": spec.qps,
+        "seed": spec.seed,
+    }
+    return Workload("shared-prefix", tuple(sessions), params)
+
+
+def shared_prefix(spec: SharedPrefixSpec, block_size: int = DEFAULT_BLOCK_SIZE) -> Iterator[ChatRequest]:
+    """``groups * per_group`` requests, each a group prefix plus its own question, shuffled (the
+    simulator's view of :func:`shared_prefix_sessions`)."""
+    return iter(open_loop(shared_prefix_sessions(spec), block_size, seed=spec.seed))
 
 
 # ------------------------------------------------------------------------------------------ Mooncake trace
@@ -252,6 +360,57 @@ def mooncake_trace(
             arrival_ms=round(int(row["timestamp"]) * time_scale),
             block_size=block_size,
         )
+
+
+def mooncake_sessions(
+    path: str | Path,
+    time_scale: float = 1.0,
+    max_requests: int | None = 64,
+    token_scale: float = 1 / 32,
+    max_output_tokens: int | None = 64,
+) -> Workload:
+    """A Mooncake trace replayed at ``time_scale`` with every length multiplied by ``token_scale``.
+
+    Trace block ``id`` becomes ``round(512 * token_scale)`` byte tokens fixed by ``id`` alone, so requests
+    that share hash ids share those tokens (and so, chained, their KV blocks). Output lengths are capped
+    at ``max_output_tokens`` because on a CPU decode dominates everything else.
+    """
+    if time_scale <= 0 or not 0 < token_scale <= 1:
+        raise WorkloadError("time_scale must be positive and token_scale in (0, 1]")
+    per_block = max(1, round(MOONCAKE_BLOCK_SIZE * token_scale))
+    sessions = []
+    for i, row in enumerate(read_mooncake(path)):
+        if max_requests is not None and i >= max_requests:
+            break
+        n_in = max(1, round(int(row["input_length"]) * token_scale))
+        ids = np.asarray(row["hash_ids"], dtype=np.int64)
+        # tokens_for_id mixes (id, position) into a large range; modulo the byte alphabet keeps it fixed.
+        tokens = tokens_for_id(ids, per_block)[:n_in] % TOKEN_ALPHABET
+        if tokens.size < n_in:  # ids cover less than input_length: pad with tokens unique to this row
+            pad = tokens_for_id(np.asarray([-(i + 1)], dtype=np.int64), n_in - tokens.size) % TOKEN_ALPHABET
+            tokens = np.concatenate([tokens, pad])
+        n_out = max(1, round(int(row["output_length"]) * token_scale))
+        if max_output_tokens is not None:
+            n_out = min(n_out, max_output_tokens)
+        due = int(row["timestamp"]) * time_scale / 1000.0
+        turn = Turn(_tuple(tokens), n_out, due)
+        sessions.append(Session(f"trace-{i}", (turn,), tenant="trace", carry_output=False))
+    if not sessions:
+        raise WorkloadError(f"trace {path} holds no request")
+    t0 = min(s.turns[0].due_s for s in sessions)
+    rebased = tuple(
+        Session(s.session_id, (Turn(t.append_tokens, t.max_tokens, t.due_s - t0),), s.tenant, False)
+        for s in sessions
+        for t in s.turns
+    )
+    params = {
+        "trace": str(path),
+        "time_scale": time_scale,
+        "max_requests": max_requests,
+        "token_scale": token_scale,
+        "max_output_tokens": max_output_tokens,
+    }
+    return Workload("mooncake", rebased, params)
 
 
 # --------------------------------------------------------------------------------------------- Azure trace

@@ -203,11 +203,14 @@ class KvmeshClient:
         stop_token_ids: Sequence[int] = (),
         arrival_ms: int | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        public_prefix_tokens: int | None = None,
     ) -> ChatRequest:
         """Tokenize (or take ``token_ids``) and hash a prompt into a ChatRequest for ``tenant``.
 
         ``tools`` (OpenAI function definitions) are rendered by the model's chat template; ValueError
-        when it has none that renders them, as for any prompt that cannot be built."""
+        when it has none that renders them, as for any prompt that cannot be built.
+        ``public_prefix_tokens`` declares how many leading tokens are a public prefix (shared across
+        tenants); by default the longest configured ``public_prefixes`` entry the prompt starts with."""
         if (messages is None) == (token_ids is None):
             raise ValueError("give exactly one of messages or token_ids")
         ids = (
@@ -215,7 +218,10 @@ class KvmeshClient:
             if token_ids is not None
             else render_chat(self.tokenizer, list(messages or ()), tools=tools)
         )
-        _, public_tokens = self.match_public_prefix(ids)
+        if public_prefix_tokens is None:
+            _, public_tokens = self.match_public_prefix(ids)
+        else:
+            public_tokens = min(max(public_prefix_tokens, 0), len(ids))
         return chat_request(
             ids,
             request_id=request_id or uuid.uuid4().hex,

@@ -16,7 +16,9 @@ from kvmesh.workloads import (
     azure_trace,
     mooncake_trace,
     multiturn,
+    multiturn_sessions,
     shared_prefix,
+    shared_prefix_sessions,
     tokens_for_id,
     trace_requests,
 )
@@ -46,6 +48,26 @@ def test_multiturn_prompt_extends_previous_turn() -> None:
     u0, u1 = by_user["mt-u0"][0], by_user["mt-u1"][0]
     assert u0.block_hashes[:4] == u1.block_hashes[:4]
     assert u0.block_hashes[4] != u1.block_hashes[4]
+
+
+def test_the_simulator_and_the_live_bench_get_the_same_prompts_from_one_spec() -> None:
+    """One generator: the simulator's requests are the live sessions' turns with placeholder answers."""
+    spec = MultiTurnSpec(users=2, rounds=3, system_prompt_tokens=48, history_tokens=16, seed=5)
+    sessions = {s.session_id: s for s in multiturn_sessions(spec).sessions}
+    sim = list(multiturn(spec, block_size=16))
+    for r in sim:
+        session = sessions[r.session_id]
+        turn = int(r.request_id.rsplit("-r", 1)[1])
+        asked = session.turns[turn].append_tokens
+        # turn 0 is exactly what the live run sends; a later turn ends with the question it appends
+        assert (
+            (r.token_ids.tolist() == list(asked)) if turn == 0 else r.token_ids[-len(asked) :] == list(asked)
+        )
+        assert r.public_prefix_tokens == session.public_prefix_tokens == 48
+        assert r.arrival_ms == round(session.turns[turn].due_s * 1000)
+    sp = SharedPrefixSpec(groups=2, per_group=3, prefix_tokens=32, question_tokens=8)
+    live = {s.session_id: s.turns[0].append_tokens for s in shared_prefix_sessions(sp).sessions}
+    assert {r.session_id: tuple(r.token_ids.tolist()) for r in shared_prefix(sp)} == live
 
 
 def test_multiturn_is_deterministic_per_seed() -> None:

@@ -13,9 +13,9 @@ import pytest
 
 from kvmesh.bench import fleet
 from kvmesh.bench.fleet import PolicyRun, StackOptions, TurnRecord, summarize_live, union_length
-from kvmesh.bench.fleet_workloads import mooncake_live, multiturn_live, sim_requests
+from kvmesh.bench.fleet import cli as fleet_cli
 from kvmesh.sim.engine import SimConfig, simulate
-from kvmesh.workloads import MultiTurnSpec
+from kvmesh.workloads import MultiTurnSpec, mooncake_sessions, multiturn_sessions, open_loop
 from kvmesh_core.costmodel import PROFILES
 
 # --------------------------------------------------------------------------------- synthetic records
@@ -95,7 +95,7 @@ def test_main_prints_table_then_one_json_object_last(
             for i, p in enumerate(policies)
         ]
 
-    monkeypatch.setattr(fleet, "run_fleet", fake_run_fleet)
+    monkeypatch.setattr(fleet_cli, "run_fleet", fake_run_fleet)  # the name main() calls
     rc = fleet.main(
         [
             "--policies",
@@ -132,7 +132,7 @@ def test_main_rejects_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None
 # ------------------------------------------------------------------------------------------ workloads
 
 
-def test_multiturn_live_shape_and_sim_requests_chain_their_prompts() -> None:
+def test_multiturn_sessions_shape_and_open_loop_chain_their_prompts() -> None:
     spec = MultiTurnSpec(
         users=3,
         rounds=2,
@@ -142,7 +142,7 @@ def test_multiturn_live_shape_and_sim_requests_chain_their_prompts() -> None:
         answer_tokens=4,
         qps=2.0,
     )
-    wl = multiturn_live(spec)
+    wl = multiturn_sessions(spec)
     assert wl.requests == 6 and [s.session_id for s in wl.sessions] == ["mt-u0", "mt-u1", "mt-u2"]
     first = [s.turns[0].append_tokens for s in wl.sessions]
     assert all(len(t) == 64 + 32 + 8 for t in first)
@@ -150,7 +150,7 @@ def test_multiturn_live_shape_and_sim_requests_chain_their_prompts() -> None:
     assert first[0][64:96] != first[1][64:96]  # own history
     assert all(0 <= t < 256 for s in wl.sessions for turn in s.turns for t in turn.append_tokens)
     assert [s.turns[1].due_s for s in wl.sessions] == [1.5, 2.0, 2.5]  # (r * users + u) / qps
-    reqs = {r.request_id: r for r in sim_requests(wl)}
+    reqs = {r.request_id: r for r in open_loop(wl)}
     r0, r1 = reqs["mt-u1-r0"], reqs["mt-u1-r1"]
     assert len(r1.token_ids) == len(r0.token_ids) + 4 + 8
     assert r1.token_ids[: len(r0.token_ids)] == r0.token_ids
@@ -158,14 +158,14 @@ def test_multiturn_live_shape_and_sim_requests_chain_their_prompts() -> None:
     assert r1.arrival_ms == 2000
 
 
-def test_mooncake_live_maps_equal_ids_to_equal_tokens_and_scales(tmp_path: Path) -> None:
+def test_mooncake_sessions_maps_equal_ids_to_equal_tokens_and_scales(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     rows = [
         {"timestamp": 1000, "input_length": 1024, "output_length": 320, "hash_ids": [7, 8]},
         {"timestamp": 3000, "input_length": 1500, "output_length": 32, "hash_ids": [7, 9, 10]},
     ]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    wl = mooncake_live(trace, time_scale=0.5, max_requests=None, token_scale=1 / 32, max_output_tokens=8)
+    wl = mooncake_sessions(trace, time_scale=0.5, max_requests=None, token_scale=1 / 32, max_output_tokens=8)
     a, b = (s.turns[0] for s in wl.sessions)
     assert (len(a.append_tokens), len(b.append_tokens)) == (32, 47)
     assert a.append_tokens[:16] == b.append_tokens[:16]  # hash id 7, 512 / 32 tokens
@@ -198,14 +198,14 @@ HIT_GAP = 0.05
 @pytest.mark.integration
 @pytest.mark.slow
 def test_simulator_ranks_policies_as_the_live_fleet_does() -> None:
-    wl = multiturn_live(LIVE_SPEC)
+    wl = multiturn_sessions(LIVE_SPEC)
     runs = fleet.run_fleet(wl, LIVE_POLICIES, StackOptions(workers=2), show_progress=False)
     live = {r.policy: r.summary() for r in runs}
     for name, s in live.items():
         assert s["errors"] == 0 and s["requests"] == wl.requests, (name, s)
     profile = next(iter(runs[-1].profiles.values()))  # what the live workers calibrated
     sim = {
-        p: simulate(sim_requests(wl), profile, SimConfig(workers=2, policy=p, block_size=16)).summary()
+        p: simulate(open_loop(wl), profile, SimConfig(workers=2, policy=p, block_size=16)).summary()
         for p in LIVE_POLICIES
     }
     report = {p: (sim[p]["kv_hit_fraction"], live[p]["kv_hit_fraction"]) for p in LIVE_POLICIES}

@@ -1,5 +1,5 @@
-"""An intake, scheduler or KV manager install pulls no torch: their modules import with every heavy
-or tool-only package made unimportable, and pyproject keeps those in extras."""
+"""An intake, scheduler, KV manager or producer-SDK install pulls no torch: their modules import with
+every heavy or tool-only package made unimportable, and pyproject keeps those in extras."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ LIGHT_SERVICES = (
     "services.kvmanager.service",
     "services.kvmanager.__main__",
     "services.kvmanager.directory_cli",
+    # a producer team's install: the SDK alone
+    "kvmesh_client",
 )
 
 
@@ -61,3 +63,7 @@ def test_heavy_packages_live_in_extras() -> None:
     assert any(d.startswith("torch==") for d in extras["worker"])
     assert extras["containers"] == ["testcontainers>=4.0"]
     assert "kvmesh[worker]" in extras["tools"] and "kvmesh[worker]" in extras["vllm"]
+    # what every service's wire codec needs is in the core, not in an extra
+    assert {"msgspec", "msgpack", "aiokafka"} <= {
+        d.split(">")[0].split("=")[0].split("<")[0] for d in project["dependencies"]
+    }

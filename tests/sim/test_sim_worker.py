@@ -41,10 +41,12 @@ class _Harness:
 
 
 def _request(n_blocks: int, rid: str) -> ChatRequest:
-    from schemas.blocks import block_hashes
+    from schemas.chat_requests import chat_request
 
     tokens = list(range(n_blocks * BS + 1))
-    return ChatRequest(rid, rid, "t", tokens, block_hashes(tokens, BS), BS, 2, 0)
+    return chat_request(
+        tokens, request_id=rid, session_id=rid, tenant="t", block_size=BS, max_tokens=2, arrival_ms=0
+    )
 
 
 def _assign(req: ChatRequest, worker: str, fetch: list[FetchPlan]) -> Assignment:

@@ -342,3 +342,36 @@ async def test_secrets_never_logged(
     for secret in (KEY_A, KEY_B, "sk-guess-xyz-4242", "kafka-pass-s3cr3t", "tenantA,"):
         assert secret not in text
     assert "dev mode" not in caplog.text
+
+
+async def test_several_intakes_side_by_side_each_get_their_own_replies(
+    kafka_settings: KafkaSettings, echo_worker: EchoWorker
+) -> None:
+    """Intakes scale out side by side: on the shared reply topic each drops the others' replies; with
+    a reply topic of its own (KVMESH_INTAKE_REPLY_TOPIC) it never reads them at all."""
+    shared_a = make_settings(kafka_settings, intake_id="intake-a")
+    shared_c = make_settings(kafka_settings, intake_id="intake-c")
+    own_b = make_settings(kafka_settings, intake_id="intake-b", reply_topic="kvmesh.replies.intake-b")
+    async with (
+        intake(shared_a) as (app_a, http_a),
+        intake(own_b) as (app_b, http_b),
+        intake(shared_c) as (app_c, http_c),
+    ):
+        asks = [
+            (http, f"from {name} {i}")
+            for i in range(3)
+            for name, http in (("a", http_a), ("b", http_b), ("c", http_c))
+        ]
+        replies = await asyncio.gather(
+            *(http.post("/v1/chat/completions", json=chat_body(text), headers=auth()) for http, text in asks)
+        )
+        for (_, text), r in zip(asks, replies, strict=True):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == "echo:" + text
+        clients = {name: app.state.service.client for name, app in (("a", app_a), ("b", app_b), ("c", app_c))}
+        # a and c share the topic: each saw (and dropped) the other's replies; b saw none of theirs
+        async with asyncio.timeout(10):
+            while not (clients["a"].router.ignored and clients["c"].router.ignored):
+                await asyncio.sleep(0.05)
+        assert clients["b"].router.ignored == 0
+        assert {r.reply_topic for r in echo_worker.requests} == {"kvmesh.replies", "kvmesh.replies.intake-b"}

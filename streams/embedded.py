@@ -378,6 +378,93 @@ class EmbeddedRedis:
         self.stop()
 
 
+class EmbeddedRedisCluster:
+    """A Redis Cluster of ``masters`` cluster-enabled ``redis-server`` processes on loopback (no
+    replicas, no persistence), joined with ``redis-cli --cluster create``: the real thing, small.
+
+    ``url`` is one node's ``redis://`` URL; a cluster client discovers the others from it.
+    """
+
+    def __init__(self, masters: int = 3, ready_timeout_s: float = 20.0) -> None:
+        if masters < 3:
+            raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        self.masters = masters
+        self.ready_timeout_s = ready_timeout_s
+        self.ports: list[int] = []
+        self.url: str | None = None
+        self._children = [_ChildProcess(f"redis-cluster-{i}") for i in range(masters)]
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    def start(self) -> str:
+        """Start the nodes, create the cluster, wait until every slot is served; the first node's URL."""
+        if self.url is not None:
+            return self.url
+        binary = EmbeddedRedis.binary()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise EmbeddedStartError("redis-cli not found on PATH (it ships with redis-server)")
+        self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-cluster-")
+        try:
+            for child in self._children:
+                port, bus = free_port(), free_port()
+                conf = Path(self._dir.name) / f"nodes-{port}.conf"
+                child.spawn(
+                    [binary, "--port", str(port), "--bind", _LOOPBACK, "--save", "", "--appendonly", "no",
+                     "--cluster-enabled", "yes", "--cluster-config-file", str(conf),
+                     "--cluster-port", str(bus), "--dir", self._dir.name]
+                )  # fmt: skip
+                child.wait_ready(lambda p=port: _redis_pings(p), self.ready_timeout_s)
+                self.ports.append(port)
+            nodes = [f"{_LOOPBACK}:{p}" for p in self.ports]
+            created = subprocess.run(
+                [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if created.returncode != 0:
+                raise EmbeddedStartError(f"redis-cli --cluster create failed: {created.stdout[-500:]}")
+            self._wait_cluster_ok(cli)
+        except BaseException:
+            self.stop()
+            raise
+        self.url = f"redis://{_LOOPBACK}:{self.ports[0]}/0"
+        log.info("embedded redis cluster of %d masters on ports %s", self.masters, self.ports)
+        return self.url
+
+    def _wait_cluster_ok(self, cli: str) -> None:
+        # every node must agree that all 16384 slots are served before a client may rely on it
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            states = [
+                subprocess.run(
+                    [cli, "-h", _LOOPBACK, "-p", str(p), "cluster", "info"], capture_output=True, text=True
+                ).stdout
+                for p in self.ports
+            ]
+            if all("cluster_state:ok" in s for s in states):
+                return
+            time.sleep(0.1)
+        raise EmbeddedStartError("redis cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        """Stop every node and remove their files. Safe twice."""
+        for child in self._children:
+            child.stop()
+        self.ports.clear()
+        self.url = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> EmbeddedRedisCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class EmbeddedObjectStore:
     """An S3-compatible object store (:mod:`streams.local_s3`) on a free loopback port, for the broker.
 

@@ -112,6 +112,9 @@ class RedisSettings(BaseSettings):
     username: str | None = None
     password: SecretStr | None = None
     socket_timeout_s: float = 2.0
+    #: A Redis Cluster: ``url`` names any one node; the client discovers the rest and routes each
+    #: command to the node that serves its key's slot.
+    cluster: bool = False
 
     @property
     def redacted_url(self) -> str:
@@ -125,6 +128,17 @@ class RedisSettings(BaseSettings):
     @field_serializer("url", when_used="json")
     def _url_without_password(self, url: str) -> str:
         return redact_url(url)
+
+    def connect(self) -> Any:
+        """An asyncio client: ``redis.asyncio.Redis``, or ``RedisCluster`` with ``cluster`` set. Both
+        take the same commands; every multi-key command kvmesh sends stays within one hash slot."""
+        if self.cluster:
+            from redis.asyncio.cluster import RedisCluster
+
+            return RedisCluster.from_url(self.url, **self.client_kwargs())
+        import redis.asyncio as aioredis
+
+        return aioredis.from_url(self.url, **self.client_kwargs())
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``redis.asyncio.from_url(url, ...)`` beside the URL: timeouts and auth."""

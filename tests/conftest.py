@@ -36,7 +36,13 @@ from typing import Any
 import pytest
 
 from streams.admin import ensure_topics
-from streams.embedded import ContainerBroker, EmbeddedBroker, EmbeddedRedis, docker_available
+from streams.embedded import (
+    ContainerBroker,
+    EmbeddedBroker,
+    EmbeddedRedis,
+    EmbeddedRedisCluster,
+    docker_available,
+)
 from streams.settings import KafkaSettings, RedisSettings
 
 
@@ -141,3 +147,31 @@ def redis_settings(request: pytest.FixtureRequest) -> Iterator[RedisSettings]:
     server: EmbeddedRedis = request.getfixturevalue("redis_server")
     assert server.url is not None
     yield RedisSettings(url=server.url)
+
+
+@pytest.fixture(scope="module")
+def _redis_cluster() -> Iterator[EmbeddedRedisCluster]:
+    cluster = EmbeddedRedisCluster(masters=3)
+    try:
+        cluster.start()
+    except Exception as exc:
+        pytest.skip(f"cannot start a redis cluster: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_settings(_redis_cluster: EmbeddedRedisCluster) -> Iterator[RedisSettings]:
+    """RedisSettings (``cluster=True``) for an empty three-master Redis Cluster on loopback."""
+    import redis
+
+    for port in _redis_cluster.ports:
+        node = redis.Redis(host="127.0.0.1", port=port)
+        try:
+            node.flushall()
+        finally:
+            node.close()
+    assert _redis_cluster.url is not None
+    yield RedisSettings(url=_redis_cluster.url, cluster=True)

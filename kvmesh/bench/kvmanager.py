@@ -32,7 +32,6 @@ import sys
 import time
 from typing import Any
 
-import redis.asyncio as aioredis
 from tqdm import tqdm
 
 from kvmesh.percentiles import percentile
@@ -98,7 +97,7 @@ class EventMaker:
 
 async def apply_flush_only(redis: RedisSettings, events: list[KvEvent]) -> float:
     """Events per second of Directory.apply + pipelined flush in batches of 5000, no Kafka."""
-    client = aioredis.from_url(redis.url, **redis.client_kwargs())
+    client = redis.connect()
     try:
         await client.flushdb()
         d = Directory()

@@ -1,39 +1,52 @@
 """The directory's Redis layout, shared by its one writer (the KV manager) and its readers (a cold-
 starting scheduler, ``kvmesh directory``): key names, value encodings and the flush script.
 
-Redis layout (block hashes and offsets as decimal strings):
+Redis layout (block hashes and offsets as decimal strings). Every key carries the hash tag ``{kvm}``,
+so on a Redis Cluster the whole directory lives in one slot: a flush is one atomic script call on one
+node, and a reader's MULTI/EXEC works there as on a plain Redis. The price is that one master holds
+it all; the directory is written by one manager and takes about 270 bytes of Redis memory per block
+held by one worker (10^7 blocks: under 3 GB), so a master's memory bounds the fleet, not its CPU. Keys of the directory layout before
+the hash tag (``kvm:holders``, ...) are renamed once, at the manager's first start on them.
 
 =========================  ======  ==================================================================
 key                        type    content
 =========================  ======  ==================================================================
-``kvm:holders``            hash    block hash → ``"{parent}|{worker}={tier}:{last_ms},…"`` (entries by
+``{kvm}:holders``          hash    block hash → ``"{parent}|{worker}={tier}:{last_ms},…"`` (entries by
                                    worker id; ``{parent}|`` absent when no event named the parent;
                                    parent 0 for a first block)
-``kvm:wrk:{worker}``       set     block hashes the worker holds
-``kvm:workers``            hash    worker → JSON info (last_seen_ms, transfer_address, tiers, …)
-``kvm:offsets``            hash    ``"{topic}:{partition}"`` → next offset to consume
-``kvm:seqs``               hash    ``"{topic}:{partition}:{producer}"`` → last applied envelope seq
-``kvm:stats``              hash    counters (lookups, hit_blocks, miss_blocks, events, blocks_applied)
-``kvm:version``            string  incremented by every flush (readers WATCH it for a consistent read)
+``{kvm}:wrk:{worker}``     set     block hashes the worker holds
+``{kvm}:workers``          hash    worker → JSON info (last_seen_ms, transfer_address, tiers, …)
+``{kvm}:offsets``          hash    ``"{topic}:{partition}"`` → next offset to consume
+``{kvm}:seqs``             hash    ``"{topic}:{partition}:{producer}"`` → last applied envelope seq
+``{kvm}:stats``            hash    counters (lookups, hit_blocks, miss_blocks, events, blocks_applied)
+``{kvm}:version``          string  incremented by every flush (readers WATCH it for a consistent read)
 =========================  ======  ==================================================================
 
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-HOLDERS_KEY = "kvm:holders"
-WORKER_PREFIX = "kvm:wrk:"
-WORKERS_KEY = "kvm:workers"
-OFFSETS_KEY = "kvm:offsets"
-SEQS_KEY = "kvm:seqs"
-STATS_KEY = "kvm:stats"
-VERSION_KEY = "kvm:version"
+#: Every directory key starts with this: the hash tag puts them all in one Redis Cluster slot.
+KEY_PREFIX = "{kvm}:"
+HOLDERS_KEY = KEY_PREFIX + "holders"
+WORKER_PREFIX = KEY_PREFIX + "wrk:"
+WORKERS_KEY = KEY_PREFIX + "workers"
+OFFSETS_KEY = KEY_PREFIX + "offsets"
+SEQS_KEY = KEY_PREFIX + "seqs"
+STATS_KEY = KEY_PREFIX + "stats"
+VERSION_KEY = KEY_PREFIX + "version"
+#: The directory's keys before the hash tag (renamed by :func:`migrate_legacy_keys`).
+LEGACY_PREFIX = "kvm:"
 
 #: Applies one flush atomically inside Redis. ARGV[1] is a MessagePack map of flat lists (see
-#: ``Directory._payload``); one call replaces tens of thousands of pipelined commands, whose
+#: ``DirectoryWriter._payload``); KEYS[1] is the version key, named so that a cluster client routes the
+#: call to the node of the directory's slot (every key the script touches has the same hash tag). One
+#: call replaces tens of thousands of pipelined commands, whose
 #: client-side encoding and reply parsing would otherwise dominate the manager's time.
 APPLY_LUA = """
 local p = cmsgpack.unpack(ARGV[1])
@@ -56,21 +69,35 @@ local function each_key(cmd, list)
   end
 end
 each_key('UNLINK', p.unlink)
-chunked('HSET', 'kvm:holders', p.hs, 2)
-chunked('HDEL', 'kvm:holders', p.hd, 1)
-for _, w in ipairs(p.wx) do redis.call('DEL', 'kvm:wrk:' .. w) end
-for w, m in pairs(p.wa) do chunked('SADD', 'kvm:wrk:' .. w, m, 1) end
-for w, m in pairs(p.wr) do chunked('SREM', 'kvm:wrk:' .. w, m, 1) end
-chunked('HSET', 'kvm:workers', p['is'], 2)
-chunked('HDEL', 'kvm:workers', p.id, 1)
-chunked('HSET', 'kvm:offsets', p.os, 2)
-chunked('HSET', 'kvm:seqs', p.ss, 2)
-chunked('HSET', 'kvm:stats', p.st, 2)
-return redis.call('INCR', 'kvm:version')
+chunked('HSET', '{kvm}:holders', p.hs, 2)
+chunked('HDEL', '{kvm}:holders', p.hd, 1)
+for _, w in ipairs(p.wx) do redis.call('DEL', '{kvm}:wrk:' .. w) end
+for w, m in pairs(p.wa) do chunked('SADD', '{kvm}:wrk:' .. w, m, 1) end
+for w, m in pairs(p.wr) do chunked('SREM', '{kvm}:wrk:' .. w, m, 1) end
+chunked('HSET', '{kvm}:workers', p['is'], 2)
+chunked('HDEL', '{kvm}:workers', p.id, 1)
+chunked('HSET', '{kvm}:offsets', p.os, 2)
+chunked('HSET', '{kvm}:seqs', p.ss, 2)
+chunked('HSET', '{kvm}:stats', p.st, 2)
+return redis.call('INCR', KEYS[1])
 """
 
 #: Errors that mean "Redis is not reachable right now" (as opposed to a bug in a command).
 REDIS_DOWN_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+async def migrate_legacy_keys(client: Any) -> int:
+    """Rename the keys of the directory layout before the hash tag (``kvm:*``) to the tagged ones,
+    unless a tagged directory exists already; returns how many were renamed. On a plain Redis (a
+    cluster never held the old layout: its flush script could not run there)."""
+    if await client.exists(VERSION_KEY):
+        return 0
+    old = [
+        k.decode() if isinstance(k, bytes) else k async for k in client.scan_iter(match="kvm:*", count=1000)
+    ]
+    for key in old:
+        await client.rename(key, KEY_PREFIX + key[len(LEGACY_PREFIX) :])
+    return len(old)
 
 
 def worker_key(worker_id: str) -> str:

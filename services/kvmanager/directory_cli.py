@@ -12,8 +12,6 @@ import json
 import sys
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from kvmesh_core.tokenizer import ChatMessage, load_tokenizer, render_chat
 from schemas.blocks import DEFAULT_BLOCK_SIZE, block_hashes, tenant_namespace
 from services.fleet_directory.layout import STATS_KEY
@@ -103,7 +101,7 @@ def render_text(rep: dict[str, Any]) -> str:
 
 async def collect(redis: RedisSettings, prefix: list[int]) -> dict[str, Any]:
     # The settings' password and timeouts apply to a --redis URL too (a rediss:// directory needs auth).
-    client = aioredis.from_url(redis.url, **redis.client_kwargs())
+    client = redis.connect()
     try:
         snap = await read_snapshot(client)
         raw = await client.hgetall(STATS_KEY)

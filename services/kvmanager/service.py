@@ -129,7 +129,7 @@ class KvManagerService:
             return
         s = self.settings
         async with rolled_back_on_failure(self.stop):
-            self.redis = aioredis.from_url(s.redis.url, **s.redis.client_kwargs())
+            self.redis = s.redis.connect()
             await self._load_directory()
             await ensure_topics(s.kafka)
             self.producer = TypedProducer(s.kafka, s.manager_id)

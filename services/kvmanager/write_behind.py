@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 import msgpack
 import redis.asyncio as aioredis
 
-from services.fleet_directory.layout import APPLY_LUA, REDIS_DOWN_ERRORS, VERSION_KEY
+from services.fleet_directory.layout import (
+    APPLY_LUA,
+    KEY_PREFIX,
+    REDIS_DOWN_ERRORS,
+    VERSION_KEY,
+    migrate_legacy_keys,
+)
 from services.kvmanager.directory import Directory, Holders
 from services.kvmanager.dirty_keys import DirtyKeys
 
@@ -136,7 +142,7 @@ class DirectoryWriter:
         if script is None:
             script = client.register_script(APPLY_LUA)
             client._kvm_apply_script = script  # type: ignore[attr-defined]  # one per client
-        return int(await script(keys=[], args=[payload]))
+        return int(await script(keys=[VERSION_KEY], args=[payload]))
 
     async def flush(self, client: aioredis.Redis) -> bool:
         """Write every change since the last flush atomically (one Lua call). False if Redis is down.
@@ -202,10 +208,10 @@ class DirectoryWriter:
         return True
 
     async def _rewrite_all(self, client: aioredis.Redis) -> int:
-        """Replace every ``kvm:*`` key with the in-memory directory in one script call; returns version."""
+        """Replace every ``{kvm}:*`` key with the in-memory directory in one script call; returns version."""
         stale = [
             k.decode() if isinstance(k, bytes) else k
-            async for k in client.scan_iter(match="kvm:*", count=1000)
+            async for k in client.scan_iter(match=KEY_PREFIX + "*", count=1000)
         ]
         full = DirtyKeys()
         full.blocks = set(self.directory.blocks)
@@ -222,6 +228,9 @@ class DirectoryWriter:
         """Rebuild the in-memory directory from Redis (cold start after a restart of the manager)."""
         from services.fleet_directory.snapshot import read_raw
 
+        renamed = await migrate_legacy_keys(client)
+        if renamed:
+            log.warning("directory keys renamed to the hash-tagged layout ({kvm}:*): %d keys", renamed)
         raw = await read_raw(client)
         self.directory.reset()
         for h, holders in raw.blocks.items():

@@ -82,7 +82,11 @@ class DecidedMarks:
         if self.redis is None or not request_ids:
             return set()
         try:
-            values = await self.redis.mget([MARK_PREFIX + rid for rid in request_ids])
+            keys = [MARK_PREFIX + rid for rid in request_ids]
+            # marks spread over a cluster's slots (no hash tag: they are many and short-lived); a
+            # cluster client reads them per slot, a plain one in one MGET
+            nonatomic = getattr(self.redis, "mget_nonatomic", None)
+            values = await (nonatomic(keys) if nonatomic is not None else self.redis.mget(keys))
         except Exception as exc:
             self._warn(exc)
             return set()

@@ -196,10 +196,9 @@ class SchedulerService:
             return None
         if self._redis is not None:
             return self._redis
-        import redis.asyncio as aioredis
 
         self._own_marks_client = True
-        return aioredis.from_url(self.settings.redis.url, **self.settings.redis.client_kwargs())
+        return self.settings.redis.connect()
 
     async def _close(self) -> None:
         if self._own_marks_client and self._marks.redis is not None:
@@ -226,9 +225,7 @@ class SchedulerService:
             from services.fleet_directory.snapshot import read_snapshot
 
             if client is None:
-                import redis.asyncio as aioredis
-
-                client = aioredis.from_url(s.redis.url, **s.redis.client_kwargs())
+                client = s.redis.connect()
             snap = await read_snapshot(client)
         except Exception as exc:
             log.warning("no directory snapshot (%s): replaying kv-events from the beginning", exc)

@@ -10,6 +10,9 @@ import redis.asyncio as aioredis
 
 from services.fleet_directory.layout import (
     HOLDERS_KEY,
+    KEY_PREFIX,
+    VERSION_KEY,
+    WORKERS_KEY,
     count_holders,
     decode_holders,
     split_holders_value,
@@ -88,13 +91,13 @@ def test_old_load_report_never_moves_last_seen_back() -> None:
 
 async def redis_contents(client: aioredis.Redis) -> dict:
     out = {}
-    for key in sorted([k async for k in client.scan_iter(match="kvm:*")]):
+    for key in sorted([k async for k in client.scan_iter(match=KEY_PREFIX + "*")]):
         kind = await client.type(key)
         if kind == b"hash":
             out[key] = await client.hgetall(key)
         elif kind == b"set":
             out[key] = await client.smembers(key)
-        elif key != b"kvm:version":
+        elif key != VERSION_KEY.encode():
             out[key] = await client.get(key)
     return out
 
@@ -124,9 +127,9 @@ async def test_flush_snapshot_and_offsets(redis_settings) -> None:
             b"12": b"11|w1=gpu:100",
             b"13": b"12|w1=dram:120",
         }
-        assert {k.decode() for k in await client.keys("kvm:*")} == {
-            *("kvm:holders", "kvm:wrk:w1", "kvm:wrk:w2", "kvm:workers"),
-            *("kvm:offsets", "kvm:seqs", "kvm:stats", "kvm:version"),
+        assert {k.decode() for k in await client.keys("*")} == {
+            *("{kvm}:holders", "{kvm}:wrk:w1", "{kvm}:wrk:w2", "{kvm}:workers"),
+            *("{kvm}:offsets", "{kvm}:seqs", "{kvm}:stats", "{kvm}:version"),
         }
         # A manager restarted from Redis holds the same directory and skips what it already applied.
         again = Directory()
@@ -188,7 +191,7 @@ async def test_redis_restart_without_data_is_rewritten_whole(redis_server, redis
             ref_snap.workers,
             ref_snap.seqs,
         )
-        assert json.loads((await client.hget("kvm:workers", "w2")).decode())["last_seen_ms"] == 170
+        assert json.loads((await client.hget(WORKERS_KEY, "w2")).decode())["last_seen_ms"] == 170
     finally:
         await client.aclose()
 

@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from schemas.messages import KvEvent, LoadReport, WorkerLost
+from services.fleet_directory.layout import STATS_KEY
 from services.fleet_directory.snapshot import DirectorySnapshot, read_snapshot
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.directory import Directory
@@ -133,7 +134,7 @@ async def test_directory_snapshot_offsets_and_restart(kafka_settings, redis_sett
     assert sum(snap.offsets[LOAD.name].values()) == 3
     assert set(snap.workers) == {"w1", "w2", "w3"}
     client = aioredis.from_url(redis_settings.url)
-    stats = {k.decode(): int(v) for k, v in (await client.hgetall("kvm:stats")).items()}
+    stats = {k.decode(): int(v) for k, v in (await client.hgetall(STATS_KEY)).items()}
     await client.aclose()
     # r1: blocks 1-3 held, block 4 missing; r2: block 1 held, 9 not yet (its stored event comes first
     # on another topic, so only the count of lookups is order-independent here).

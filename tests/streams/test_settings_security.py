@@ -140,7 +140,7 @@ async def test_every_streams_client_passes_the_sasl_settings(
 def _calls(names: set[str]) -> list[tuple[Path, ast.Call]]:
     """Every call of a function or class named in ``names`` in the library (not the tests)."""
     found: list[tuple[Path, ast.Call]] = []
-    for package in ("services", "streams", "kvmesh", "schemas"):
+    for package in ("services", "streams", "kvmesh", "kvmesh_client", "kvmesh_core", "schemas"):
         for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if not isinstance(node, ast.Call):
@@ -174,10 +174,16 @@ def test_every_aiokafka_client_in_the_library_is_built_from_client_kwargs() -> N
 
 
 def test_every_redis_client_in_the_library_is_built_from_client_kwargs() -> None:
-    calls = _calls({"from_url", "Redis", "StrictRedis"})
-    assert len(calls) >= 4  # kvmanager service, scheduler cold start, directory CLI, kvmanager bench
+    """One place builds Redis clients (RedisSettings.connect: plain or cluster, with the settings'
+    auth and timeouts); everything else calls it."""
+    calls = _calls({"from_url", "Redis", "StrictRedis", "RedisCluster"})
+    assert {p.relative_to(ROOT).as_posix() for p, _ in calls} == {"streams/settings.py"}
+    assert len(calls) == 2  # a plain client and a cluster client
     bad = [f"{p.relative_to(ROOT)}:{c.lineno}" for p, c in calls if not _passes_client_kwargs(c)]
     assert bad == []
+    users = _calls({"connect"})
+    # kvmanager service, scheduler marks and cold start, directory CLI, kvmanager bench
+    assert len({p for p, _ in users}) >= 4
 
 
 # -- Redis ----------------------------------------------------------------------------------------

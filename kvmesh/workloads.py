@@ -46,6 +46,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvmesh_core.errors import KvmeshError
@@ -460,9 +461,35 @@ def azure_trace(
 
 
 def trace_requests(
-    path: str | Path, time_scale: float = 1.0, max_requests: int | None = None, block_size: int = 512
+    path: str | Path,
+    time_scale: float = 1.0,
+    max_requests: int | None = None,
+    block_size: int = 512,
+    tile: int = 1,
 ) -> Iterator[ChatRequest]:
-    """Mooncake JSON lines or Azure CSV, chosen by the file's suffix (``.csv`` = Azure)."""
+    """Mooncake JSON lines or Azure CSV, chosen by the file's suffix (``.csv`` = Azure).
+
+    ``tile`` > 1 plays ``tile`` copies of the trace at once, each as its own tenant (so no copy
+    shares a block with another: tenants' blocks hash apart): ``tile`` times the load and the
+    distinct prefixes of one trace, for a fleet ``tile`` times the size it was recorded on.
+    ``max_requests`` counts trace rows, before tiling."""
+    if tile < 1:
+        raise WorkloadError("tile must be at least 1")
     if str(path).endswith(".csv"):
-        return azure_trace(path, time_scale, max_requests, block_size)
-    return mooncake_trace(path, time_scale, max_requests, block_size)
+        copies = [azure_trace(path, time_scale, max_requests, block_size, seed=j) for j in range(tile)]
+    else:
+        copies = [
+            mooncake_trace(path, time_scale, max_requests, block_size, tenant=f"trace-{j}")
+            for j in range(tile)
+        ]
+    return copies[0] if tile == 1 else _interleave_copies(copies)
+
+
+def _interleave_copies(copies: list[Iterator[ChatRequest]]) -> Iterator[ChatRequest]:
+    """Row by row, copy after copy: a row's copies arrive together, so arrival order holds. Each copy's
+    ids get its number (the blocks already differ: by tenant, or by the seed of an Azure copy)."""
+    for rows in zip(*copies, strict=True):
+        for j, req in enumerate(rows):
+            yield msgspec.structs.replace(
+                req, request_id=f"{req.request_id}-c{j}", session_id=f"{req.session_id}-c{j}"
+            )

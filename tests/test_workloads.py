@@ -143,3 +143,26 @@ def test_azure_trace_has_no_shared_prefix(tmp_path: Path) -> None:
     assert [len(r.block_hashes) for r in reqs] == [2, 1]
     assert reqs[0].block_hashes[0] != reqs[1].block_hashes[0]
     assert [r.max_tokens for r in azure_trace(path, max_requests=1)] == [10]
+
+
+def test_a_tiled_trace_plays_copies_together_that_share_no_block(tmp_path: Path) -> None:
+    trace = _write_trace(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]},
+            {"timestamp": 500, "input_length": 1024, "output_length": 4, "hash_ids": [1, 3]},
+        ],
+    )
+    one = list(trace_requests(trace, block_size=512))
+    three = list(trace_requests(trace, block_size=512, tile=3))
+    assert [r.request_id for r in one] == ["trace-0", "trace-1"]
+    assert len(three) == 6 and [r.arrival_ms for r in three] == [0, 0, 0, 500, 500, 500]
+    assert len({r.request_id for r in three}) == 6 and len({r.session_id for r in three}) == 6
+    # within a copy the trace's sharing holds (ids 1 shared by both rows); across copies nothing is shared
+    by_copy = {j: [r for r in three if r.request_id.endswith(f"-c{j}")] for j in range(3)}
+    for rows in by_copy.values():
+        assert rows[0].block_hashes[0] == rows[1].block_hashes[0] != rows[0].block_hashes[1]
+    firsts = {rows[0].block_hashes[0] for rows in by_copy.values()}
+    assert len(firsts) == 3
+    with pytest.raises(WorkloadError):
+        next(trace_requests(trace, tile=0))

@@ -1,6 +1,7 @@
 """``kvmesh bench scheduler``: decision latency, decisions per second and prefix-index memory.
 
-For each fleet size (8, 64, 512 workers) the bench fills a prefix index with ``--blocks`` blocks
+For each fleet size (8, 64, 512 and 4,096 workers) the bench fills a prefix index with ``--blocks``
+blocks (10^7 by default)
 (chains of ``--chain`` blocks, each on one worker and on a second one with probability 0.3), then
 times ``Router.decide`` on requests that reuse a random prefix of a random chain plus new blocks.
 Every worker reports its load every 100 ms of event time (one decision per ms), as a live fleet does,
@@ -10,7 +11,8 @@ so pending work stays bounded. Reports are applied outside the timed section.
 (wall clock) and ``decision_cpu_p50_us`` / ``decision_cpu_p99_us`` (CPU time of the deciding thread,
 which leaves out preemption by other processes on a shared machine), keyed by worker count,
 ``decisions_per_s`` (one replica at 64 workers, reports included),
-``index_bytes_per_entry`` (sys.getsizeof accounting), ``index_bytes_per_entry_tracemalloc``, and
+``index_bytes_per_entry`` (sys.getsizeof accounting, per (block, holder) entry),
+``index_bytes_per_block`` (the same per indexed block), ``index_bytes_per_entry_tracemalloc``, and
 ``decision_inputs``: the bytes exact replay's input positions add to an Assignment (a full record over 20
 state partitions, a 3-partition delta) and the encode time with and without them.
 """
@@ -205,8 +207,8 @@ def tracemalloc_bytes_per_entry(n_blocks: int, chain: int, seed: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvmesh bench scheduler", description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks in the prefix index")
-    ap.add_argument("--workers", default="8,64,512", help="comma-separated fleet sizes")
+    ap.add_argument("--blocks", type=int, default=10_000_000, help="blocks in the prefix index")
+    ap.add_argument("--workers", default="8,64,512,4096", help="comma-separated fleet sizes")
     ap.add_argument("--decisions", type=int, default=3000, help="timed decisions per fleet size")
     ap.add_argument("--chain", type=int, default=64, help="blocks per stored prefix chain")
     ap.add_argument("--seed", type=int, default=0)
@@ -232,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         "decisions_per_s_by_workers": {k: round(r["decisions_per_s"], 1) for k, r in results.items()},
         "index_entries": {k: r["entries"] for k, r in results.items()},
         "index_bytes_per_entry": round(ref["bytes_per_entry"], 1),
+        "index_bytes_per_block": {
+            k: round(r["bytes_per_entry"] * r["entries"] / max(r["blocks"], 1), 1) for k, r in results.items()
+        },
         "index_bytes_per_entry_tracemalloc": round(tm, 1),
         # exact replay: what each Assignment's DecisionInputs adds (a full record every 64 batches)
         "decision_inputs": decision_inputs_cost(),

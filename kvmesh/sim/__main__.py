@@ -64,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
         help="sweep: a --time-scale run per value with issue #8's goal check (trace only; overrides it)",
     )
     p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument(
+        "--tile",
+        type=int,
+        default=1,
+        help="trace: play K copies at once, each its own tenant (K times the load, for K times the workers)",
+    )
     p.add_argument("--profile", default="h100-llama3-8b", help="named profile or a benchmark's JSON")
     p.add_argument("--block-size", type=int, default=None, help="tokens per block (trace 512, else 16)")
     p.add_argument(
@@ -143,12 +149,12 @@ def request_source(
         path = args.trace
 
         def from_trace() -> Iterator[ChatRequest]:
-            return trace_requests(path, args.time_scale, args.max_requests, block_size)
+            return trace_requests(path, args.time_scale, args.max_requests, block_size, tile=args.tile)
 
         with open(path, "rb") as fh:
             lines = sum(1 for _ in fh) - (1 if path.endswith(".csv") else 0)
         n = lines if args.max_requests is None else min(lines, args.max_requests)
-        return from_trace, n
+        return from_trace, n * args.tile
     if args.workload == "shared-prefix":
         sp = SharedPrefixSpec(
             groups=max(args.users // 4, 1), per_group=args.rounds * 4, qps=args.qps, seed=args.seed
@@ -282,6 +288,7 @@ def _run_settings(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
         "trace": args.trace,
         "workers": args.workers,
         "max_requests": args.max_requests,
+        "tile": args.tile,
         "profile": args.profile,
         "block_size": block_size,
         "lag_ms": args.lag_ms,

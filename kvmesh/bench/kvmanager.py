@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lag phase: produce from a separate process (like real workers) or the manager's own loop",
     )
     p.add_argument("--kafka", help="bootstrap servers of an existing broker")
-    p.add_argument("--redis", help="URL of an existing Redis (its kvm:* keys are overwritten)")
+    p.add_argument("--redis", help="URL of an existing Redis (its {kvm}:* keys are overwritten)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     return p

@@ -5,8 +5,9 @@ Redis layout (block hashes and offsets as decimal strings). Every key carries th
 so on a Redis Cluster the whole directory lives in one slot: a flush is one atomic script call on one
 node, and a reader's MULTI/EXEC works there as on a plain Redis. The price is that one master holds
 it all; the directory is written by one manager and takes about 270 bytes of Redis memory per block
-held by one worker (10^7 blocks: under 3 GB), so a master's memory bounds the fleet, not its CPU. Keys of the directory layout before
-the hash tag (``kvm:holders``, ...) are renamed once, at the manager's first start on them.
+held by one worker (10^7 blocks: under 3 GB), so a master's memory bounds the fleet, not its CPU.
+Keys of the directory layout before the hash tag (``kvm:holders``, ...) are renamed once, at the
+manager's first start on them.
 
 =========================  ======  ==================================================================
 key                        type    content
@@ -113,7 +114,7 @@ def encode_holders(holders: dict[str, tuple[str, int]]) -> str:
 
 
 def split_holders_value(value: str) -> tuple[int | None, str]:
-    """A ``kvm:holders`` value → (parent hash or None, the entries part)."""
+    """A ``{kvm}:holders`` value → (parent hash or None, the entries part)."""
     parent, sep, entries = value.partition("|")
     if not sep:
         return None, value
@@ -121,13 +122,13 @@ def split_holders_value(value: str) -> tuple[int | None, str]:
 
 
 def count_holders(value: str) -> int:
-    """The number of workers in a ``kvm:holders`` value (0 for an empty one)."""
+    """The number of workers in a ``{kvm}:holders`` value (0 for an empty one)."""
     entries = value.rpartition("|")[2]
     return entries.count(",") + 1 if entries else 0
 
 
 def decode_holders(value: str) -> dict[str, tuple[str, int]]:
-    """The entries of a ``kvm:holders`` value (its parent prefix, if any, is skipped)."""
+    """The entries of a ``{kvm}:holders`` value (its parent prefix, if any, is skipped)."""
     out: dict[str, tuple[str, int]] = {}
     for entry in value.rpartition("|")[2].split(","):
         if not entry:

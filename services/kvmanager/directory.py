@@ -9,7 +9,7 @@ holds a directory that is exactly "every record before these offsets, applied"::
 
 Redis layout: see :mod:`services.fleet_directory.layout`.
 
-Invariants: ``kvm:holders[h]`` exists iff some worker holds the block; ``h ∈ kvm:wrk:{w}`` iff ``w``
+Invariants: ``{kvm}:holders[h]`` exists iff some worker holds the block; ``h ∈ {kvm}:wrk:{w}`` iff ``w``
 is one of its entries. The number of copies of a block is the number of its entries (one HMGET, see
 ``snapshot.fleet_copies``). One hash field per block (not one key per block, and parent and copy
 count folded into it rather than kept in hashes of their own) is what lets a flush write tens of
@@ -18,7 +18,7 @@ that, and those writes are most of the directory's Redis time. Worker ids must n
 ``=`` ``:`` or ``|`` (events from such ids are refused).
 
 Idempotence: a record is applied only if its envelope ``seq`` is greater than the last seq applied
-from the same producer on the same partition (kept in ``kvm:seqs``), so replaying the topic from any
+from the same producer on the same partition (kept in ``{kvm}:seqs``), so replaying the topic from any
 earlier offset leaves the directory unchanged. Every write is an absolute value (HSET/HDEL/SADD/SREM
 of the current state), so re-sending a flush whose reply was lost is harmless too.
 """

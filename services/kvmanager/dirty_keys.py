@@ -15,7 +15,7 @@ class DirtyKeys:
     """Keys changed since the last successful flush. Values are read from memory when the flush is
     built, so each key is written once with its latest value however often it changed."""
 
-    blocks: set[int] = field(default_factory=set)  # kvm:holders fields (holders or parent changed)
+    blocks: set[int] = field(default_factory=set)  # {kvm}:holders fields (holders or parent changed)
     worker_add: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     worker_rem: defaultdict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     worker_reset: set[str] = field(default_factory=set)  # rewrite the whole set (after a clear)

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def _encode_entries(entries: Holders) -> str:
-    """The ``kvm:holders`` value of in-memory holders (already sorted by worker id)."""
+    """The ``{kvm}:holders`` value of in-memory holders (already sorted by worker id)."""
     if len(entries) == 1:
         w, t, ms = entries[0]
         return f"{w}={t}:{ms}"
@@ -80,7 +80,7 @@ class DirectoryWriter:
 
     def __init__(self, directory: Directory) -> None:
         self.directory = directory
-        # kvm:version after our last flush; None until the first flush or load.
+        # {kvm}:version after our last flush; None until the first flush or load.
         self._version: int | None = None
         self.full_rewrites = 0
 
@@ -169,7 +169,7 @@ class DirectoryWriter:
         """Write a taken flush. False if Redis is down (its changes are then folded back into the
         current ones, to be sent again with the next flush).
 
-        If ``kvm:version`` did not advance by exactly one, Redis lost its data (a restart without
+        If ``{kvm}:version`` did not advance by exactly one, Redis lost its data (a restart without
         persistence) or someone else wrote it: the whole directory is then rewritten from memory.
         """
         try:

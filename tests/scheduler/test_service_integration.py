@@ -359,3 +359,108 @@ async def test_a_request_published_twice_is_decided_once(kafka_settings: KafkaSe
                 assert service.metrics.value("duplicate_requests_total") == 1
         finally:
             await out.stop()
+
+
+async def test_a_killed_replica_s_sessions_move_to_the_other_and_no_request_is_lost_or_run_twice(
+    kafka_settings: KafkaSettings, redis_server: Any
+) -> None:
+    """Two replicas in one group; one is SIGKILLed (a process, mid-stream). The survivor takes its
+    partitions after the group's session timeout, and every request is assigned exactly once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from streams.embedded import free_port
+    from streams.producer import partition_for
+    from streams.settings import RedisSettings
+
+    session_timeout_ms = 3000
+    kafka = kafka_settings.model_copy(update={"session_timeout_ms": session_timeout_ms})
+    redis = RedisSettings(url=redis_server.url)
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "KVMESH_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+        "KVMESH_KAFKA_TOPIC_PREFIX": kafka.topic_prefix,
+        "KVMESH_KAFKA_SESSION_TIMEOUT_MS": str(session_timeout_ms),
+        "KVMESH_REDIS_URL": redis.url,
+        "KVMESH_SCHEDULER_SCHEDULER_ID": "sched-a",
+        "KVMESH_SCHEDULER_USE_SNAPSHOT": "false",
+        "KVMESH_SCHEDULER_CREATE_TOPICS": "false",
+        "KVMESH_SCHEDULER_METRICS_PORT": str(free_port()),
+    }
+    out = TypedConsumer(kafka, [ASSIGNMENTS], None, from_beginning=True)
+    await out.start()
+    got: list[Assignment] = []
+
+    async def assigned(ids: set[str], timeout_s: float = 40.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not ids <= {a.request.request_id for a in got}:
+            if loop.time() > deadline:
+                raise AssertionError(f"never assigned: {sorted(ids - {a.request.request_id for a in got})}")
+            got.extend(
+                r.message for r in await out.getmany(timeout_ms=200) if isinstance(r.message, Assignment)
+            )
+
+    proc = subprocess.Popen([sys.executable, "-m", "services.scheduler"], cwd=repo, env=env)
+    stop_beats = asyncio.Event()
+    try:
+        async with TypedProducer(kafka, "fake-workers") as prod:
+
+            async def beat() -> None:  # live workers: nothing is re-decided for a silent one
+                while not stop_beats.is_set():
+                    for w in ("w-0", "w-1"):
+                        await prod.send(LOAD, load(w, now_ms()))
+                    await asyncio.sleep(0.5)
+
+            beats = asyncio.create_task(beat())
+
+            async def send(prefix: str, n: int) -> set[str]:
+                ids = set()
+                for i in range(n):
+                    rid = f"{prefix}-{i}"
+                    await prod.send(
+                        REQUESTS, request(rid, prompt(40, i + 1), arrival_ms=now_ms(), session=rid)
+                    )
+                    ids.add(rid)
+                return ids
+
+            await assigned(await send("alone", 4))  # replica A is up and deciding
+            second = SchedulerService(
+                settings(kafka, redis=redis, scheduler_id="sched-b", catch_up_timeout_s=20)
+            )
+            async with second:
+                both: set[str] = set()
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 40
+                while {a.scheduler_id for a in got if a.request.request_id in both} != {"sched-a", "sched-b"}:
+                    assert loop.time() < deadline, "the group never split the partitions between the two"
+                    batch = await send(f"both{len(both)}", 8)
+                    await assigned(batch)
+                    both |= batch
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=10)
+                after = await send("after", 12)  # sessions on the dead replica's partitions among them
+                await assigned(after, timeout_s=session_timeout_ms / 1000 + 30)
+                await asyncio.sleep(1.0)
+                got.extend(
+                    r.message for r in await out.getmany(timeout_ms=500) if isinstance(r.message, Assignment)
+                )
+            stop_beats.set()
+            await beats
+        ids = [a.request.request_id for a in got]
+        assert len(ids) == len(set(ids))  # none decided twice
+        assert {a.scheduler_id for a in got if a.request.request_id in after} == {"sched-b"}
+        # and the survivor did take over the dead one's partitions: some later session hashes to one
+        a_parts = {partition_for(REQUESTS, a.request.session_id) for a in got if a.scheduler_id == "sched-a"}
+        assert a_parts & {partition_for(REQUESTS, rid) for rid in after}
+    finally:
+        stop_beats.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await out.stop()

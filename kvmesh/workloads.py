@@ -39,6 +39,7 @@ Randomness is seeded (``numpy.random.default_rng(seed)``); the same arguments gi
 from __future__ import annotations
 
 import csv
+import heapq
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -486,10 +487,21 @@ def trace_requests(
 
 
 def _interleave_copies(copies: list[Iterator[ChatRequest]]) -> Iterator[ChatRequest]:
-    """Row by row, copy after copy: a row's copies arrive together, so arrival order holds. Each copy's
-    ids get its number (the blocks already differ: by tenant, or by the seed of an Azure copy)."""
-    for rows in zip(*copies, strict=True):
-        for j, req in enumerate(rows):
+    """The copies merged in arrival order, copy ``j`` shifted by ``j / len(copies)`` of a second:
+    enough to break the lockstep of identical copies (each would otherwise meet a fleet in the very
+    state the others meet, and the run would only repeat the untiled one), too little to change the
+    load. Each copy's ids get its number (the blocks already differ: by tenant, or by the seed of an
+    Azure copy)."""
+    k = len(copies)
+
+    def shifted(j: int, it: Iterator[ChatRequest]) -> Iterator[ChatRequest]:
+        offset = j * 1000 // k
+        for req in it:
             yield msgspec.structs.replace(
-                req, request_id=f"{req.request_id}-c{j}", session_id=f"{req.session_id}-c{j}"
+                req,
+                request_id=f"{req.request_id}-c{j}",
+                session_id=f"{req.session_id}-c{j}",
+                arrival_ms=req.arrival_ms + offset,
             )
+
+    return heapq.merge(*(shifted(j, it) for j, it in enumerate(copies)), key=lambda r: r.arrival_ms)

@@ -131,6 +131,24 @@ def promote_ms(p: PerfProfile, tier: str, n_blocks: int) -> float:
     return n_blocks * p.block_bytes / (gbps * 1e9) * 1e3
 
 
+def pull_ms(
+    p: PerfProfile,
+    n_blocks: int,
+    peer: PerfProfile | None = None,
+    peer_dram: int = 0,
+    peer_disk: int = 0,
+) -> float:
+    """The first two steps of :func:`fetch_ms`: the peer reads ``n_blocks`` (``peer_dram`` /
+    ``peer_disk`` of them from its lower tiers) and the link carries them. The simulator charges
+    this on the puller's link and the landing promotion at its prefill, as the live worker spends it."""
+    if n_blocks <= 0:
+        return 0.0
+    if peer is None:
+        return transfer_ms(p, n_blocks)
+    t = transfer_ms(p, n_blocks, peer.link_gbps, peer.link_latency_ms)
+    return t + promote_ms(peer, "dram", peer_dram) + promote_ms(peer, "disk", peer_disk)
+
+
 def fetch_ms(
     p: PerfProfile,
     n_blocks: int,
@@ -147,11 +165,7 @@ def fetch_ms(
     """
     if n_blocks <= 0:
         return 0.0
-    if peer is None:
-        t = transfer_ms(p, n_blocks)
-    else:
-        t = transfer_ms(p, n_blocks, peer.link_gbps, peer.link_latency_ms)
-        t += promote_ms(peer, "dram", peer_dram) + promote_ms(peer, "disk", peer_disk)
+    t = pull_ms(p, n_blocks, peer, peer_dram, peer_disk)
     if p.dram_blocks > 0:
         t += promote_ms(p, "dram", n_blocks)
     return t

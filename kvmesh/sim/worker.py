@@ -12,8 +12,9 @@ prefill + decode steps::
 Like the live worker (services/worker/service.py), a fetch happens when the assignment arrives, before
 the request joins the engine's queue, and only extends the prefix the worker already holds; pulls of one
 worker share its link one at a time, while its GPU keeps computing. A pull costs what
-``kvmesh_core.costmodel.fetch_ms`` says: the peer reads blocks held in its lower tiers, the link carries
-them, they land in the DRAM tier (GPU without one) and the prefill promotes them. The worker serves what
+``kvmesh_core.costmodel.fetch_ms`` says (its ``pull_ms`` on the link, the landing promotion at prefill):
+the peer reads blocks held in its lower tiers, the link carries them, they land in the DRAM tier (GPU
+without one) and the prefill promotes them. The worker serves what
 it really holds, not what the scheduler believed: a planned block the peer no longer has ends the pull
 there, and the prefill reuses the longest local prefix at the time it starts and recomputes the rest.
 With ``overlap_fetch`` the request joins the queue at once and is skipped until its pull lands (a
@@ -33,7 +34,14 @@ import msgspec
 from kvmesh.sim.cache import FleetHolders, TieredCache
 from kvmesh.sim.metrics import RequestRecord
 from kvmesh.sim.truth import TruthScale
-from kvmesh_core.costmodel import PerfProfile, decode_ms, prefill_ctx, promote_ms, recompute_ms, transfer_ms
+from kvmesh_core.costmodel import (
+    PerfProfile,
+    decode_ms,
+    prefill_ctx,
+    promote_ms,
+    pull_ms,
+    recompute_ms,
+)
 from kvmesh_core.event_runs import EventRun
 from kvmesh_core.fetching import Step, chain_parents, plan_step
 from kvmesh_core.reuse import reusable_blocks
@@ -238,9 +246,7 @@ class SimWorker:
                 got += 1
             if got:
                 # the peer reads, the link carries; promotion of the landed blocks is paid at prefill
-                pp = peer.real
-                cost += transfer_ms(self.real, got, pp.link_gbps, pp.link_latency_ms)
-                cost += promote_ms(pp, TIERS[1], lower[1]) + promote_ms(pp, TIERS[2], lower[2])
+                cost += pull_ms(self.real, got, peer.real, lower[1], lower[2])
                 have += got
             if have < end:
                 break  # the peer lacked a block: the rest is recomputed

@@ -93,8 +93,8 @@ def make_request(
     )
 
 
-def _random_tokens(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, VOCAB_SIZE, size=max(n, 0), dtype=np.int64)
+def _random_tokens(rng: np.random.Generator, n: int, alphabet: int = VOCAB_SIZE) -> np.ndarray:
+    return rng.integers(0, alphabet, size=max(n, 0), dtype=np.int64)
 
 
 # ------------------------------------------------------------------------------- sessions (the one generator)
@@ -134,10 +134,6 @@ class Workload:
         return sum(len(s.turns) for s in self.sessions)
 
 
-def _bytes(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, TOKEN_ALPHABET, size=max(n, 0), dtype=np.int64)
-
-
 def _tuple(a: np.ndarray) -> tuple[int, ...]:
     return tuple(int(x) for x in a)
 
@@ -167,7 +163,9 @@ def open_loop(workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE, seed: in
                     public_prefix_tokens=min(s.public_prefix_tokens, len(prompt)),
                 )
             )
-            answer = _bytes(rng, turn.max_tokens) if s.carry_output else np.zeros(0, dtype=np.int64)
+            answer = np.zeros(0, dtype=np.int64)
+            if s.carry_output:
+                answer = _random_tokens(rng, turn.max_tokens, TOKEN_ALPHABET)
             context = np.concatenate([prompt, answer])
     out.sort(key=lambda req: req.arrival_ms)  # stable: a session's turns keep their order
     return out
@@ -202,9 +200,12 @@ def multiturn_sessions(spec: MultiTurnSpec) -> Workload:
     if spec.users < 1 or spec.rounds < 1 or spec.qps <= 0:
         raise WorkloadError("multiturn needs users >= 1, rounds >= 1 and qps > 0")
     rng = np.random.default_rng(spec.seed)
-    system = _bytes(rng, spec.system_prompt_tokens)
-    history = [_bytes(rng, spec.history_tokens) for _ in range(spec.users)]
-    questions = [[_bytes(rng, spec.question_tokens) for _ in range(spec.rounds)] for _ in range(spec.users)]
+    system = _random_tokens(rng, spec.system_prompt_tokens, TOKEN_ALPHABET)
+    history = [_random_tokens(rng, spec.history_tokens, TOKEN_ALPHABET) for _ in range(spec.users)]
+    questions = [
+        [_random_tokens(rng, spec.question_tokens, TOKEN_ALPHABET) for _ in range(spec.rounds)]
+        for _ in range(spec.users)
+    ]
     sessions = []
     for u in range(spec.users):
         turns = []
@@ -258,12 +259,12 @@ def shared_prefix_sessions(spec: SharedPrefixSpec) -> Workload:
     if spec.groups < 1 or spec.per_group < 1 or spec.qps <= 0:
         raise WorkloadError("shared_prefix needs groups >= 1, per_group >= 1 and qps > 0")
     rng = np.random.default_rng(spec.seed)
-    prefixes = [_bytes(rng, spec.prefix_tokens) for _ in range(spec.groups)]
+    prefixes = [_random_tokens(rng, spec.prefix_tokens, TOKEN_ALPHABET) for _ in range(spec.groups)]
     order = [(g, i) for g in range(spec.groups) for i in range(spec.per_group)]
     rng.shuffle(order)
     sessions = []
     for k, (g, i) in enumerate(order):
-        prompt = np.concatenate([prefixes[g], _bytes(rng, spec.question_tokens)])
+        prompt = np.concatenate([prefixes[g], _random_tokens(rng, spec.question_tokens, TOKEN_ALPHABET)])
         turn = Turn(_tuple(prompt), spec.output_tokens, k / spec.qps)
         sessions.append(Session(f"sp-g{g}-{i}", (turn,), tenant="tenant-0", carry_output=False))
     params = {

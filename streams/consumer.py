@@ -92,17 +92,30 @@ class ConsumerMetrics:
     lag: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
+#: A rebalance hook: called with the (catalog topic, partition) pairs revoked or assigned.
+RebalanceHook = Callable[[set[tuple[str, int]]], Awaitable[None]]
+
+
 class _CommitOnRevoke(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka is untyped
-    """Commits what was dealt with before a rebalance takes partitions away."""
+    """Commits what was dealt with before a rebalance takes partitions away, then runs the owner's
+    hooks (aiokafka awaits them inside the rebalance: a revoke hook finishes before any other member
+    is given the partitions, and an assign hook may seek them before the first fetch)."""
 
     def __init__(self, owner: TypedConsumer) -> None:
         self.owner = owner
 
+    def _pairs(self, tps: Any) -> set[tuple[str, int]]:
+        return {(self.owner._catalog_name(tp.topic), tp.partition) for tp in tps}
+
     async def on_partitions_revoked(self, revoked: Any) -> None:
         await self.owner._commit_done(only=set(revoked))
+        if self.owner.on_revoked is not None:
+            await self.owner.on_revoked(self._pairs(revoked))
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         log.debug("assigned %s", sorted((tp.topic, tp.partition) for tp in assigned))
+        if self.owner.on_assigned is not None:
+            await self.owner.on_assigned(self._pairs(assigned))
 
 
 def consumer_options(kafka: KafkaSettings, group_id: str | None, from_beginning: bool) -> dict[str, Any]:
@@ -143,6 +156,8 @@ class TypedConsumer:
         max_attempts: int = 3,
         retry_backoff_s: float = 0.05,
         max_batch: int = 500,
+        on_revoked: RebalanceHook | None = None,
+        on_assigned: RebalanceHook | None = None,
     ) -> None:
         if not topics and not assign:
             raise ValueError("a consumer needs topics or an assignment")
@@ -157,6 +172,9 @@ class TypedConsumer:
         self.max_attempts = max(1, max_attempts)
         self.retry_backoff_s = retry_backoff_s
         self.max_batch = max_batch
+        # Group rebalance hooks (subscribe mode only); see _CommitOnRevoke.
+        self.on_revoked = on_revoked
+        self.on_assigned = on_assigned
         self.metrics = ConsumerMetrics()
         self._dedup = SeqDeduplicator()
         self._done: dict[TopicPartition, int] = {}

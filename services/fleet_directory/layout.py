@@ -1,13 +1,23 @@
 """The directory's Redis layout, shared by its one writer (the KV manager) and its readers (a cold-
 starting scheduler, ``kvmesh directory``): key names, value encodings and the flush script.
 
-Redis layout (block hashes and offsets as decimal strings). Every key carries the hash tag ``{kvm}``,
-so on a Redis Cluster the whole directory lives in one slot: a flush is one atomic script call on one
-node, and a reader's MULTI/EXEC works there as on a plain Redis. The price is that one master holds
-it all; the directory is written by one manager and takes about 270 bytes of Redis memory per block
-held by one worker (10^7 blocks: under 3 GB), so a master's memory bounds the fleet, not its CPU.
-Keys of the directory layout before the hash tag (``kvm:holders``, ...) are renamed once, at the
+Redis layout (block hashes and offsets as decimal strings). The directory is one or more *slices*,
+each the same set of keys under its own prefix and hash tag:
+
+- one manager (the default): the fleet slice ``{kvm}:`` holds everything;
+- KV-manager replicas (``sharded``): the fleet slice holds the workers, the load and request offsets
+  and the stats, written by the elected leader; each kv-events partition ``p`` has a shard slice
+  ``{kvm.p<p>}:`` with the holders, worker sets, offsets and seqs of what that partition said,
+  written by the replica that owns the partition. Workers key their kv-events, so one worker's blocks
+  live in one shard. Readers merge the slices (``snapshot.read_merged``).
+
+Each slice lives in one Redis Cluster slot: a flush is one atomic script call on one node, and a
+reader's MULTI/EXEC of one slice works there as on a plain Redis; shards spread over the masters.
+The directory takes about 270 bytes of Redis memory per block held by one worker (10^7 blocks: under
+3 GB). Keys of the directory layout before the hash tag (``kvm:holders``, ...) are renamed once, at the
 manager's first start on them.
+
+Keys of one slice (prefix ``{kvm}:`` shown):
 
 =========================  ======  ==================================================================
 key                        type    content
@@ -43,14 +53,46 @@ STATS_KEY = KEY_PREFIX + "stats"
 VERSION_KEY = KEY_PREFIX + "version"
 #: The directory's keys before the hash tag (renamed by :func:`migrate_legacy_keys`).
 LEGACY_PREFIX = "kvm:"
+#: Every shard slice's version key matches this (how readers find the slices; see shard_prefix).
+SHARD_VERSION_MATCH = "{kvm.p*}:version"
+#: The KV-manager replicas' leader lease (``SET NX PX``): outside every slice's key space, so no
+#: slice's whole rewrite unlinks it.
+LEASE_KEY = "{kvm.lease}:kvmanager"
+
+
+def shard_prefix(partition: int) -> str:
+    """The key prefix of the slice that holds what kv-events partition ``partition`` says (replicas).
+
+    Its own hash tag, so on a Redis Cluster the slices spread over the masters and each flush
+    touches one slot.
+    """
+    return f"{{kvm.p{partition}}}:"
+
+
+def shard_of_prefix(prefix: str) -> int | None:
+    """The partition of a shard slice prefix; None for the fleet slice (:data:`KEY_PREFIX`)."""
+    if prefix.startswith("{kvm.p") and prefix.endswith("}:"):
+        return int(prefix[len("{kvm.p") : -2])
+    return None
+
 
 #: Applies one flush atomically inside Redis. ARGV[1] is a MessagePack map of flat lists (see
-#: ``DirectoryWriter._payload``); KEYS[1] is the version key, named so that a cluster client routes the
-#: call to the node of the directory's slot (every key the script touches has the same hash tag). One
-#: call replaces tens of thousands of pipelined commands, whose
-#: client-side encoding and reply parsing would otherwise dominate the manager's time.
+#: ``DirectoryWriter._payload``), ARGV[2] the slice's key prefix (:data:`KEY_PREFIX` or a
+#: :func:`shard_prefix`), ARGV[3] the version the writer expects to find ('' = no check). KEYS[1] is the
+#: slice's version key, named so that a cluster client routes the call to the node of the slice's slot
+#: (every key the script touches has the same hash tag). One call replaces tens of thousands of
+#: pipelined commands, whose client-side encoding and reply parsing would otherwise dominate the
+#: manager's time.
+#:
+#: Fencing: with an expected version, a slice whose version differs is not written; the script
+#: returns ``-1 - current`` instead (a replica that lost a shard to another must not overwrite it).
 APPLY_LUA = """
+if ARGV[3] ~= '' then
+  local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+  if cur ~= tonumber(ARGV[3]) then return -1 - cur end
+end
 local p = cmsgpack.unpack(ARGV[1])
+local P = ARGV[2]
 local STEP = 1000
 local function chunked(cmd, key, list, width)
   local n = #list
@@ -70,16 +112,16 @@ local function each_key(cmd, list)
   end
 end
 each_key('UNLINK', p.unlink)
-chunked('HSET', '{kvm}:holders', p.hs, 2)
-chunked('HDEL', '{kvm}:holders', p.hd, 1)
-for _, w in ipairs(p.wx) do redis.call('DEL', '{kvm}:wrk:' .. w) end
-for w, m in pairs(p.wa) do chunked('SADD', '{kvm}:wrk:' .. w, m, 1) end
-for w, m in pairs(p.wr) do chunked('SREM', '{kvm}:wrk:' .. w, m, 1) end
-chunked('HSET', '{kvm}:workers', p['is'], 2)
-chunked('HDEL', '{kvm}:workers', p.id, 1)
-chunked('HSET', '{kvm}:offsets', p.os, 2)
-chunked('HSET', '{kvm}:seqs', p.ss, 2)
-chunked('HSET', '{kvm}:stats', p.st, 2)
+chunked('HSET', P .. 'holders', p.hs, 2)
+chunked('HDEL', P .. 'holders', p.hd, 1)
+for _, w in ipairs(p.wx) do redis.call('DEL', P .. 'wrk:' .. w) end
+for w, m in pairs(p.wa) do chunked('SADD', P .. 'wrk:' .. w, m, 1) end
+for w, m in pairs(p.wr) do chunked('SREM', P .. 'wrk:' .. w, m, 1) end
+chunked('HSET', P .. 'workers', p['is'], 2)
+chunked('HDEL', P .. 'workers', p.id, 1)
+chunked('HSET', P .. 'offsets', p.os, 2)
+chunked('HSET', P .. 'seqs', p.ss, 2)
+chunked('HSET', P .. 'stats', p.st, 2)
 return redis.call('INCR', KEYS[1])
 """
 

@@ -7,6 +7,10 @@ record before ``offsets``.
 
 A scheduler resumes its KvEvent consumer at ``offsets[KV_EVENTS.name][partition]`` after loading
 ``blocks``; the records from there on are the ones not yet in the snapshot.
+
+With KV-manager replicas the directory is several slices (see :mod:`services.fleet_directory.layout`),
+each read in its own MULTI/EXEC and then merged: each kv-events partition's blocks are exactly those
+of every record before that partition's offset, because one slice holds both.
 """
 
 from __future__ import annotations
@@ -20,13 +24,11 @@ import redis.asyncio as aioredis
 
 from services.fleet_directory.layout import (
     HOLDERS_KEY,
-    OFFSETS_KEY,
-    SEQS_KEY,
-    STATS_KEY,
-    VERSION_KEY,
-    WORKERS_KEY,
+    KEY_PREFIX,
+    SHARD_VERSION_MATCH,
     count_holders,
     decode_holders,
+    shard_of_prefix,
     split_holders_value,
 )
 
@@ -63,12 +65,12 @@ def _split_offset_key(key: str) -> tuple[str, int]:
     return topic, int(part)
 
 
-async def read_raw(redis_client: aioredis.Redis) -> RawDirectory:
-    """Read the whole directory in one MULTI/EXEC (see module docstring)."""
+async def read_raw(redis_client: aioredis.Redis, prefix: str = KEY_PREFIX) -> RawDirectory:
+    """Read one slice of the directory in one MULTI/EXEC (see module docstring)."""
     async with redis_client.pipeline(transaction=True) as pipe:
-        for key in (HOLDERS_KEY, OFFSETS_KEY, WORKERS_KEY, SEQS_KEY, STATS_KEY):
-            pipe.hgetall(key)
-        pipe.get(VERSION_KEY)
+        for name in ("holders", "offsets", "workers", "seqs", "stats"):
+            pipe.hgetall(prefix + name)
+        pipe.get(prefix + "version")
         holders, offsets, workers, seqs, stats, version = await pipe.execute()
     raw = RawDirectory()
     for key, value in holders.items():
@@ -90,15 +92,64 @@ async def read_raw(redis_client: aioredis.Redis) -> RawDirectory:
     return raw
 
 
+async def shard_prefixes(redis_client: aioredis.Redis) -> list[str]:
+    """The prefixes of the shard slices in Redis (KV-manager replicas), by partition; [] for one
+    manager. (A cluster client scans every master.)"""
+    found: set[str] = set()
+    async for key in redis_client.scan_iter(match=SHARD_VERSION_MATCH, count=1000):
+        found.add(_s(key)[: -len("version")])
+    return sorted(found, key=lambda p: shard_of_prefix(p) or 0)
+
+
+def merge_raw(parts: Sequence[RawDirectory]) -> RawDirectory:
+    """One directory from slices: holders united per block (a worker in two slices, possible after
+    kv-events partitions were added, keeps its newer entry), offsets and seqs united (the larger
+    where two slices name the same one), workers, stats and version from the first (the fleet
+    slice) unless only another has them."""
+    out = RawDirectory()
+    for raw in parts:
+        for h, holders in raw.blocks.items():
+            have = out.blocks.get(h)
+            if have is None:
+                out.blocks[h] = dict(holders)
+                continue
+            for w, entry in holders.items():
+                if w not in have or entry[1] > have[w][1]:
+                    have[w] = entry
+        for h, parent in raw.parents.items():
+            out.parents.setdefault(h, parent)
+        for topic, parts_ in raw.offsets.items():
+            mine = out.offsets.setdefault(topic, {})
+            for p, o in parts_.items():
+                mine[p] = max(o, mine.get(p, 0))
+        for key, seq in raw.seqs.items():
+            out.seqs[key] = max(seq, out.seqs.get(key, -1))
+        for w, info in raw.workers.items():
+            out.workers.setdefault(w, info)
+        for k, v in raw.stats.items():
+            out.stats.setdefault(k, v)
+        out.version = out.version or raw.version
+    return out
+
+
+async def read_merged(redis_client: aioredis.Redis) -> RawDirectory:
+    """The whole directory: the fleet slice and every shard slice, merged (see :func:`merge_raw`)."""
+    parts = [await read_raw(redis_client, KEY_PREFIX)]
+    for prefix in await shard_prefixes(redis_client):
+        parts.append(await read_raw(redis_client, prefix))
+    return parts[0] if len(parts) == 1 else merge_raw(parts)
+
+
 async def read_snapshot(redis_client: aioredis.Redis) -> DirectorySnapshot:
     """The directory as the scheduler needs it: {hash: {worker: tier}}, parents, offsets, workers."""
-    raw = await read_raw(redis_client)
+    raw = await read_merged(redis_client)
     blocks = {h: {w: tier for w, (tier, _) in holders.items()} for h, holders in raw.blocks.items()}
     return DirectorySnapshot(blocks=blocks, parents=raw.parents, offsets=raw.offsets, workers=raw.workers)
 
 
 async def fleet_copies(redis_client: aioredis.Redis, block_hashes: Sequence[int]) -> list[int]:
-    """How many workers of the fleet hold each block (0 if none), in the order asked; one HMGET.
+    """How many workers of the fleet hold each block (0 if none), in the order asked; one HMGET per
+    slice.
 
     The contract for a worker's eviction: before dropping a block from its last tier, a worker asks
     this; if the answer is 1 or less (only itself), it demotes the block to disk instead of dropping
@@ -106,5 +157,12 @@ async def fleet_copies(redis_client: aioredis.Redis, block_hashes: Sequence[int]
     """
     if not block_hashes:
         return []
-    values = await redis_client.hmget(HOLDERS_KEY, [str(h) for h in block_hashes])
-    return [count_holders(_s(v)) if v is not None else 0 for v in values]
+    fields = [str(h) for h in block_hashes]
+    counts = [0] * len(fields)
+    keys = [HOLDERS_KEY] + [p + "holders" for p in await shard_prefixes(redis_client)]
+    for key in keys:
+        values = await redis_client.hmget(key, fields)
+        counts = [
+            c + (count_holders(_s(v)) if v is not None else 0) for c, v in zip(counts, values, strict=True)
+        ]
+    return counts

@@ -28,6 +28,17 @@ class KvManagerSettings(ShellSettings):
     # every size (a directory shared by fleets of several block sizes).
     block_size: int | None = Field(default=None, gt=0)
 
+    # KV-manager replicas. Off: this manager is the directory's one writer (every partition of every
+    # input topic). On: the replicas sharing ``group_id`` split the kv-events partitions (each owns a
+    # shard slice of the directory); all read load and requests; the holder of the Redis lease
+    # (``lease_ms``) also runs liveness, placement and the fleet slice. ``manager_id`` must differ
+    # per replica (the pod name).
+    sharded: bool = False
+    group_id: str = "kvmesh-kvmanager"
+    lease_ms: int = Field(default=3000, gt=0)
+    # How often the leader refreshes the holders of hot blocks held in shards it does not own.
+    placement_view_ms: int = Field(default=250, gt=0)
+
     # Liveness: a worker whose last LoadReport is older than this is declared lost.
     liveness_timeout_ms: int = 5000
     # "wall": the manager's clock ticks liveness even when no message arrives (live use);

@@ -18,7 +18,12 @@ LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 class KvManagerMetrics:
     """Owns the registry; ``events_applied`` is a plain count the loop bumps, exported at scrape."""
 
-    def __init__(self, directory_blocks: Callable[[], int], workers: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        directory_blocks: Callable[[], int],
+        workers: Callable[[], tuple[int, int]],
+        role: Callable[[], tuple[bool, int]] = lambda: (True, 0),
+    ) -> None:
         self.registry = r = CollectorRegistry()
         self.events_applied = 0
         self.event_lag = Histogram(
@@ -33,7 +38,7 @@ class KvManagerMetrics:
         self.published = Counter(
             "kvmesh_kvmanager_published", "Control records published, by kind.", ["kind"], registry=r
         )
-        r.register(_Directory(self, directory_blocks, workers))
+        r.register(_Directory(self, directory_blocks, workers, role))
 
     def value(self, name: str, **labels: str) -> float:
         got = self.registry.get_sample_value(f"kvmesh_kvmanager_{name}", labels)
@@ -46,10 +51,12 @@ class _Directory(Collector):
         owner: KvManagerMetrics,
         directory_blocks: Callable[[], int],
         workers: Callable[[], tuple[int, int]],
+        role: Callable[[], tuple[bool, int]],
     ) -> None:
         self.owner = owner
         self.directory_blocks = directory_blocks
         self.workers = workers
+        self.role = role
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
@@ -67,3 +74,14 @@ class _Directory(Collector):
         fam.add_metric(["live"], live)
         fam.add_metric(["lost"], lost)
         yield fam
+        leader, shards = self.role()
+        yield GaugeMetricFamily(
+            "kvmesh_kvmanager_leader",
+            "1 if this manager runs liveness and placement (always, without replicas), else 0.",
+            value=float(leader),
+        )
+        yield GaugeMetricFamily(
+            "kvmesh_kvmanager_owned_shards",
+            "kv-events partitions whose directory slice this replica owns (0 without replicas).",
+            value=shards,
+        )

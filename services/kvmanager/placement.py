@@ -339,6 +339,17 @@ class PlacementEngine:
         self.tracker.observe(req)
         return retain_hints(req, self.sessions.observe(req), view, self.cfg)
 
+    def wanted_hashes(self, now_ms: int) -> list[int]:
+        """Every block :meth:`plan` may look up at ``now_ms``: the hot chains' and the pending
+        commands' (a leader replica fetches the holders of these from the shards it does not own)."""
+        self.tracker.expire(now_ms)
+        out: dict[int, None] = {}
+        for prefix in self.tracker.hot():
+            out.update(dict.fromkeys(prefix.block_hashes))
+        for p in self.pending:
+            out.update(dict.fromkeys(p.block_hashes))
+        return list(out)
+
     def plan(
         self, now_ms: int, view: BlockView, workers: Mapping[str, Mapping[str, Any]]
     ) -> list[ReplicateCommand]:

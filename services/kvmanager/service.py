@@ -110,12 +110,23 @@ class KvManagerService:
         # The flush being written to Redis while the loop consumes and applies the next batch.
         self._inflight: asyncio.Task[bool] | None = None
         self._lost: set[str] = set()  # declared lost and not heard from since
+        # LOAD partition → its end offset when this manager started, until the manager has read that
+        # far: liveness waits for it (the reports loaded from Redis may be old; the newer ones are
+        # still to be read).
+        self._load_backlog: dict[int, int] = {}
         self.metrics = KvManagerMetrics(
-            lambda: len(self.directory.blocks), lambda: (len(self.directory.workers), len(self._lost))
+            self._block_count, lambda: (len(self.directory.workers), len(self._lost)), self._role
         )
         self.metrics.registry.register(
             ConsumerCollector("kvmanager", lambda: [self.consumer.metrics if self.consumer else None])
         )
+
+    def _block_count(self) -> int:
+        return len(self.directory.blocks)
+
+    def _role(self) -> tuple[bool, int]:
+        """(runs liveness and placement, shards owned): the one manager does, and owns no shards."""
+        return True, 0
 
     @property
     def redis_ok(self) -> bool:
@@ -145,6 +156,7 @@ class KvManagerService:
             }
             if resume:
                 await self.consumer.seek(resume)
+            await self._note_load_backlog(self.consumer)
             log.info(
                 "kvmanager %s started: %d blocks, %d workers, resuming %d partitions from Redis offsets",
                 s.manager_id,
@@ -187,6 +199,7 @@ class KvManagerService:
             with contextlib.suppress(*REDIS_DOWN_ERRORS):
                 await self._flush(force=True)
                 await self._wait_inflight()
+        await self._before_close()
         if self.consumer is not None:
             await self.consumer.stop()
             self.consumer = None
@@ -196,6 +209,9 @@ class KvManagerService:
         if self.redis is not None:
             await self.redis.aclose()
             self.redis = None
+
+    async def _before_close(self) -> None:
+        """Stop-time work after the last flush, while Redis and Kafka are still open (replicas)."""
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -297,7 +313,29 @@ class KvManagerService:
             return True
         return msg.worker_id not in self.refused_workers
 
+    async def _note_load_backlog(self, consumer: TypedConsumer) -> None:
+        ends = await consumer.end_offsets()
+        self._load_backlog = {
+            p: end
+            for (topic, p), end in ends.items()
+            if topic == LOAD.name and end > self.directory.offsets.get((LOAD.name, p), 0)
+        }
+
+    def _load_behind(self, consumer: TypedConsumer | None) -> bool:
+        """Whether LoadReports are still unread: the backlog at start, or records behind the high
+        watermark at the last fetch. A worker is never declared lost on reports not yet read (a
+        restarted or stalled manager would otherwise declare the whole fleet lost)."""
+        for p, end in list(self._load_backlog.items()):
+            if self.directory.offsets.get((LOAD.name, p), 0) >= end:
+                del self._load_backlog[p]
+        if self._load_backlog:
+            return True
+        lag = consumer.metrics.lag if consumer is not None else {}
+        return any(n > 0 for (topic, _), n in lag.items() if topic == LOAD.name)
+
     def _liveness(self) -> list[tuple[TopicSpec, Any]]:
+        if self._load_behind(self.consumer):
+            return []
         s = self.settings
         clock = self.clock() if s.liveness_clock == "wall" else None
         now = liveness_now(self.directory.max_event_ms, clock)
@@ -363,9 +401,9 @@ class KvManagerService:
             if task.done():
                 self._inflight = None
 
-    async def _send(self, pending: PendingFlush) -> bool:
+    async def _send(self, pending: PendingFlush, writer: DirectoryWriter | None = None) -> bool:
         assert self.redis is not None
-        ok: bool = await self.writer.send_flush(self.redis, pending)
+        ok: bool = await (writer or self.writer).send_flush(self.redis, pending)
         if ok:
             if not self._redis_ok:
                 log.warning("Redis reachable again: buffered directory changes written")

@@ -9,6 +9,12 @@
 A failed send folds its keys back into the directory's change set; a version that did not advance by
 exactly one (Redis restarted empty, or another writer) makes the next write a whole rewrite from
 memory. ``load`` is the other direction: a manager's cold start from what Redis holds.
+
+A writer owns one slice of the layout (``prefix``; see :mod:`services.fleet_directory.layout`). A
+*fenced* writer (KV-manager replicas) sends the version it expects with each flush: a slice that
+another replica wrote since is left untouched and :class:`SliceTaken` is raised, so a replica that
+lost a shard to another can never overwrite the new owner's state; a slice whose version went *back*
+(Redis restarted empty) is rewritten from memory as before.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from services.fleet_directory.layout import (
     APPLY_LUA,
     KEY_PREFIX,
     REDIS_DOWN_ERRORS,
-    VERSION_KEY,
     migrate_legacy_keys,
 )
 from services.kvmanager.directory import Directory, Holders
@@ -74,15 +79,33 @@ class PendingFlush:
     event_ms: list[int] = field(default_factory=list)
 
 
-class DirectoryWriter:
-    """Owns the Redis side of one :class:`Directory`: the version this manager last wrote and the
-    flushes. At most one flush is in flight; the directory may change while it is sent."""
+class SliceTaken(Exception):
+    """A fenced flush found its slice written by another writer since this one's last write."""
 
-    def __init__(self, directory: Directory) -> None:
+    def __init__(self, prefix: str, expected: int, found: int) -> None:
+        super().__init__(f"slice {prefix} is at version {found}, this writer expected {expected}")
+        self.prefix = prefix
+        self.expected = expected
+        self.found = found
+
+
+class DirectoryWriter:
+    """Owns the Redis side of one :class:`Directory`: the slice it writes (``prefix``), the version
+    this manager last wrote and the flushes. At most one flush is in flight; the directory may change
+    while it is sent."""
+
+    def __init__(self, directory: Directory, prefix: str = KEY_PREFIX, *, fenced: bool = False) -> None:
         self.directory = directory
-        # {kvm}:version after our last flush; None until the first flush or load.
+        self.prefix = prefix
+        self.version_key = prefix + "version"
+        self.fenced = fenced
+        # The slice's version after our last flush; None until the first flush or load.
         self._version: int | None = None
         self.full_rewrites = 0
+
+    @property
+    def version(self) -> int | None:
+        return self._version
 
     def _payload(self, d: DirtyKeys, unlink: list[str] | None = None) -> bytes:
         """The writes of ``d`` as one MessagePack map for :data:`APPLY_LUA` (hashes as decimal text:
@@ -137,12 +160,15 @@ class DirectoryWriter:
         packed: bytes = msgpack.packb(payload, use_bin_type=False)
         return packed
 
-    async def _apply(self, client: aioredis.Redis, payload: bytes) -> int:
+    async def _apply(self, client: aioredis.Redis, payload: bytes, expect: int | None = None) -> int:
+        """Run the flush script; with ``expect``, the slice's current version (negative: ``-1 -
+        current``) when it differs, and nothing is written."""
         script = getattr(client, "_kvm_apply_script", None)
         if script is None:
             script = client.register_script(APPLY_LUA)
             client._kvm_apply_script = script  # type: ignore[attr-defined]  # one per client
-        return int(await script(keys=[VERSION_KEY], args=[payload]))
+        fence = "" if expect is None else str(expect)
+        return int(await script(keys=[self.version_key], args=[payload, self.prefix, fence]))
 
     async def flush(self, client: aioredis.Redis) -> bool:
         """Write every change since the last flush atomically (one Lua call). False if Redis is down.
@@ -173,8 +199,17 @@ class DirectoryWriter:
         persistence) or someone else wrote it: the whole directory is then rewritten from memory.
         """
         try:
-            version = await self._apply(client, pending.payload)
-            if self._version is not None and version != self._version + 1:
+            expect = self._version if self.fenced else None
+            version = await self._apply(client, pending.payload, expect)
+            if version < 0:
+                found = -1 - version
+                assert expect is not None
+                if found > expect:
+                    raise SliceTaken(self.prefix, expect, found)
+                # Lower: Redis lost the slice (restarted empty); memory is authoritative.
+                log.warning("slice %s went back to version %d: rewriting it from memory", self.prefix, found)
+                version = await self._rewrite_all(client)
+            elif self._version is not None and version != self._version + 1:
                 log.warning(
                     "directory in Redis is not the one this manager wrote (version %d, expected %d): "
                     "rewriting it whole from memory",
@@ -199,9 +234,11 @@ class DirectoryWriter:
         """
         if self._version is None:
             return False
-        raw = await client.get(VERSION_KEY)
+        raw = await client.get(self.version_key)
         if int(raw or 0) == self._version:
             return False
+        if self.fenced and int(raw or 0) > self._version:
+            raise SliceTaken(self.prefix, self._version, int(raw or 0))
         log.warning("directory in Redis is gone or foreign (version %s): rewriting it from memory", raw)
         self._version = await self._rewrite_all(client)
         self.directory.take_changes()  # all written by the rewrite
@@ -211,7 +248,7 @@ class DirectoryWriter:
         """Replace every ``{kvm}:*`` key with the in-memory directory in one script call; returns version."""
         stale = [
             k.decode() if isinstance(k, bytes) else k
-            async for k in client.scan_iter(match=KEY_PREFIX + "*", count=1000)
+            async for k in client.scan_iter(match=self.prefix + "*", count=1000)
         ]
         full = DirtyKeys()
         full.blocks = set(self.directory.blocks)
@@ -224,14 +261,21 @@ class DirectoryWriter:
         self.full_rewrites += 1
         return version
 
+    async def take_over(self, client: aioredis.Redis) -> None:
+        """Make this writer the slice's writer now: rewrite it whole from memory (a replica that just
+        became the leader; its memory is current, what Redis holds may be another replica's)."""
+        self._version = await self._rewrite_all(client)
+        self.directory.take_changes()  # all written by the rewrite
+
     async def load(self, client: aioredis.Redis) -> None:
         """Rebuild the in-memory directory from Redis (cold start after a restart of the manager)."""
         from services.fleet_directory.snapshot import read_raw
 
-        renamed = await migrate_legacy_keys(client)
-        if renamed:
-            log.warning("directory keys renamed to the hash-tagged layout ({kvm}:*): %d keys", renamed)
-        raw = await read_raw(client)
+        if self.prefix == KEY_PREFIX:
+            renamed = await migrate_legacy_keys(client)
+            if renamed:
+                log.warning("directory keys renamed to the hash-tagged layout ({kvm}:*): %d keys", renamed)
+        raw = await read_raw(client, self.prefix)
         self.directory.reset()
         for h, holders in raw.blocks.items():
             self.directory.blocks[h] = _entries_of(holders)

@@ -132,3 +132,57 @@ def test_cluster_settings_build_a_cluster_client() -> None:
 
     assert isinstance(RedisSettings(url="redis://127.0.0.1:1/0", cluster=True).connect(), RedisCluster)
     assert isinstance(RedisSettings(url="redis://127.0.0.1:1/0").connect(), Redis)
+
+
+async def test_replicas_spread_their_shard_slices_over_the_clusters_masters(
+    kafka_settings: KafkaSettings, redis_cluster_settings: RedisSettings
+) -> None:
+    """Two KV-manager replicas on the cluster: each shard slice is one slot (one script call per
+    flush), the slices land on several masters, and a reader merges them back into one directory."""
+    from services.fleet_directory.layout import shard_of_prefix
+    from services.fleet_directory.snapshot import shard_prefixes
+    from services.kvmanager.replica import KvManagerReplica
+    from streams.producer import partition_for
+
+    messages = batch_a() + batch_b()
+    await _publish(kafka_settings, messages)
+    client = redis_cluster_settings.connect()
+    try:
+        replicas = [
+            KvManagerReplica(
+                settings(kafka_settings, redis_cluster_settings, sharded=True, manager_id=f"r{i}")
+            )
+            for i in range(2)
+        ]
+        expected = as_snapshot_blocks(reference(messages))
+        try:
+            for r in replicas:
+                await r.start()
+            async with asyncio.timeout(60):
+                while (await read_snapshot(client)).blocks != expected or not any(
+                    r.is_leader for r in replicas
+                ):
+                    await asyncio.sleep(0.1)
+            assert sum(r.is_leader for r in replicas) == 1
+            owned = [set(r.shards.partitions()) for r in replicas]
+            assert not owned[0] & owned[1] and owned[0] | owned[1] == set(range(KV_EVENTS.partitions))
+        finally:
+            for r in replicas:
+                await r.stop()
+        prefixes = await shard_prefixes(client)
+        # one slice per partition that carried events (a silent partition writes nothing)
+        assert [shard_of_prefix(p) for p in prefixes] == sorted(
+            {partition_for(KV_EVENTS, x) for x in ("w1", "w2", "w3")}
+        )
+        slot_of = {
+            p: {await client.cluster_keyslot(k) for k in await _all_keys(client) if k.startswith(p)}
+            for p in prefixes
+        }
+        assert all(len(slots) == 1 for slots in slot_of.values())
+        masters = {client.get_node_from_key(p + "version").name for p in prefixes}
+        assert len(masters) > 1
+        snap = await read_snapshot(client)
+        assert snap.blocks == expected and set(snap.workers) == {"w1", "w2", "w3"}
+        assert await fleet_copies(client, [1, 2, 9, 77]) == [2, 1, 1, 0]
+    finally:
+        await client.aclose()

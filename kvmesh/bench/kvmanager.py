@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="process",
         help="lag phase: produce from a separate process (like real workers) or the manager's own loop",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="also measure 1 and N KV-manager replica processes side by side (0: skip)",
+    )
+    p.add_argument("--replica-events", type=int, default=300_000, help="events of the replicas phase")
     p.add_argument("--kafka", help="bootstrap servers of an existing broker")
     p.add_argument("--redis", help="URL of an existing Redis (its {kvm}:* keys are overwritten)")
     p.add_argument("--seed", type=int, default=0)
@@ -204,7 +211,22 @@ async def run(args: argparse.Namespace, kafka: KafkaSettings, redis: RedisSettin
             await asyncio.sleep(0.01)
     finally:
         await svc.stop()
+    replicas: dict[str, Any] = {}
+    if args.replicas > 0:
+        from kvmesh.bench.kvmanager_replicas import measure
+
+        more = EventMaker(args.workers, args.blocks_per_event, args.seed + 1)
+        batch = [more.make(i) for i in range(args.replica_events)]
+        runs = [await measure(kafka, redis, batch, n) for n in sorted({1, args.replicas})]
+        one = runs[0]["events_per_s"]
+        replicas = {
+            "replica_runs": runs,
+            "replica_events_per_s": {str(r["replicas"]): r["events_per_s"] for r in runs},
+            "replica_speedup": round(runs[-1]["events_per_s"] / one, 2) if one else 0.0,
+            "replica_cpu_us_per_event": {str(r["replicas"]): r["cpu_us_per_event"] for r in runs},
+        }
     return {
+        **replicas,
         "bench": "kvmanager",
         "events": args.events,
         "blocks_per_event": args.blocks_per_event,

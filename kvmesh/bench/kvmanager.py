@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicas",
         type=int,
         default=0,
-        help="also measure 1 and N KV-manager replica processes side by side (0: skip)",
+        help="also measure the one manager, 1 and N replica processes side by side (0: skip)",
     )
     p.add_argument("--replica-events", type=int, default=300_000, help="events of the replicas phase")
     p.add_argument("--kafka", help="bootstrap servers of an existing broker")
@@ -217,8 +217,8 @@ async def run(args: argparse.Namespace, kafka: KafkaSettings, redis: RedisSettin
 
         more = EventMaker(args.workers, args.blocks_per_event, args.seed + 1)
         batch = [more.make(i) for i in range(args.replica_events)]
-        runs = [await measure(kafka, redis, batch, n) for n in sorted({1, args.replicas})]
-        one = runs[0]["events_per_s"]
+        runs = [await measure(kafka, redis, batch, n) for n in sorted({0, 1, args.replicas})]
+        one = runs[1]["events_per_s"]
         replicas = {
             "replica_runs": runs,
             "replica_events_per_s": {str(r["replicas"]): r["events_per_s"] for r in runs},

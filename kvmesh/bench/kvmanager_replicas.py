@@ -26,6 +26,7 @@ from typing import Any
 from kvmesh_core.runtime import tune_gc
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.replica import KvManagerReplica
+from services.kvmanager.service import KvManagerService
 from streams.admin import ensure_topics
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings, RedisSettings
@@ -36,23 +37,25 @@ SETTLE_S = 1.0
 
 
 async def _replica_main(
-    kafka: KafkaSettings, redis: RedisSettings, name: str, shared: list[Synchronized[int]]
+    kafka: KafkaSettings, redis: RedisSettings, name: str, shared: list[Synchronized[int]], sharded: bool
 ) -> None:
     owned, applied, cpu_us = shared
     settings = KvManagerSettings(
         kafka=kafka,
         redis=redis,
         manager_id=name,
-        sharded=True,
+        sharded=sharded,
         liveness_timeout_ms=10**9,
         liveness_clock="event",
     )
-    replica = KvManagerReplica(settings)
+    replica = KvManagerReplica(settings) if sharded else KvManagerService(settings)
     await replica.start()
     tune_gc()
+    partitions = kafka.partitions_of(KV_EVENTS)
     try:
         while True:
-            owned.value = len(replica.shards.partitions())
+            shards = replica.shards if isinstance(replica, KvManagerReplica) else None
+            owned.value = partitions if shards is None else len(shards.partitions())
             applied.value = replica.metrics.events_applied
             cpu_us.value = int(time.process_time() * 1e6)
             await asyncio.sleep(0.02)
@@ -61,10 +64,10 @@ async def _replica_main(
 
 
 def replica_process(
-    kafka: KafkaSettings, redis: RedisSettings, name: str, shared: list[Synchronized[int]]
+    kafka: KafkaSettings, redis: RedisSettings, name: str, shared: list[Synchronized[int]], sharded: bool
 ) -> None:
-    """Entry point of one replica process (runs until terminated)."""
-    asyncio.run(_replica_main(kafka, redis, name, shared))
+    """Entry point of one replica process (runs until terminated); unsharded: the one manager."""
+    asyncio.run(_replica_main(kafka, redis, name, shared, sharded))
 
 
 async def _clear_directory(redis: RedisSettings) -> None:
@@ -89,7 +92,10 @@ async def _fill(kafka: KafkaSettings, events: list[Any]) -> None:
 async def measure(
     kafka: KafkaSettings, redis: RedisSettings, events: list[Any], replicas: int
 ) -> dict[str, Any]:
-    """Apply ``events`` with ``replicas`` replica processes; their rate once the group settled."""
+    """Apply ``events`` with ``replicas`` replica processes; their rate once the group settled.
+    ``replicas=0``: the one (unsharded) manager in the same harness, the baseline."""
+    sharded = replicas > 0
+    replicas = max(replicas, 1)
     own = kafka.model_copy(
         update={"topic_prefix": f"{kafka.topic_prefix}r{replicas}-{uuid.uuid4().hex[:6]}."}
     )
@@ -102,7 +108,7 @@ async def measure(
     procs = [
         ctx.Process(
             target=replica_process,
-            args=(own, redis, f"bench-r{i}", [owned[i], applied[i], cpu[i]]),
+            args=(own, redis, f"bench-r{i}", [owned[i], applied[i], cpu[i]], sharded),
             daemon=True,
         )
         for i in range(replicas)
@@ -145,7 +151,7 @@ async def measure(
             p.join(timeout=10)
     measured = len(events) - n0
     return {
-        "replicas": replicas,
+        "replicas": replicas if sharded else 0,
         "owned_partitions": layout,
         "events_measured": measured,
         "events_per_s": round(measured / dt, 1) if dt > 0 and measured > 0 else 0.0,

@@ -39,11 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvmesh_core.runtime import rolled_back_on_failure
-from schemas.messages import ChatRequest, KvEvent, LoadReport, ResyncRequest
+from schemas.messages import ChatRequest, KvEvent, LoadReport
 from services.fleet_directory.layout import KEY_PREFIX, REDIS_DOWN_ERRORS, shard_prefix
 from services.kvmanager.config import KvManagerSettings
 from services.kvmanager.lease import LeaderLease
-from services.kvmanager.liveness import liveness_now, lost_workers, worker_lost_message
 from services.kvmanager.service import FlushHook, KvManagerService
 from services.kvmanager.shards import CombinedView, OwnedShards, Shard, fetch_holders
 from services.kvmanager.write_behind import DirectoryWriter, PendingFlush, SliceTaken
@@ -281,16 +280,7 @@ class KvManagerReplica(KvManagerService):
             return []
         if not isinstance(msg, KvEvent) or not self._block_size_ok(msg, self.settings.block_size):
             return []
-        verdict = self._kv_sequence.observe(msg)
-        if verdict == "gap":
-            log.warning("gap in the KV events of %s: asking it to resync", msg.worker_id)
-            return [(CONTROL, ResyncRequest(msg.worker_id, self.settings.manager_id))]
-        if verdict == "drop":
-            return []
-        shard.directory.apply_kv_event(msg, env.event_ms)
-        self.metrics.events_applied += 1
-        self._unflushed_event_ms.append(env.event_ms)
-        return []
+        return self._apply_event(msg, env.event_ms, shard.directory)
 
     async def _reload_taken(self) -> None:
         """Reload the shards whose slice another replica wrote (see SliceTaken)."""
@@ -314,29 +304,17 @@ class KvManagerReplica(KvManagerService):
                 log.warning("new leader could not write the fleet slice (%s); stepping down", exc)
                 self.lease.step_down()
 
-    def _liveness(self) -> list[tuple[TopicSpec, Any]]:
-        """Every replica drops a silent worker from its shards; only the leader announces it."""
-        if self._load_behind(self.fleet_consumer):
-            return []
-        s = self.settings
-        clock = self.clock() if s.liveness_clock == "wall" else None
-        now = liveness_now(self.directory.max_event_ms, clock)
-        last_seen = {w: int(info.get("last_seen_ms", 0)) for w, info in self.directory.workers.items()}
-        out: list[tuple[TopicSpec, Any]] = []
-        leader = self.lease.held()
-        for lost in lost_workers(last_seen, now, s.liveness_timeout_ms):
-            self.directory.drop_worker(lost.worker_id)
-            dropped = self.shards.drop_worker_blocks(lost.worker_id)
-            self._lost.add(lost.worker_id)
-            log.warning(
-                "worker %s lost (no LoadReport since %d); dropped %d blocks of its shards",
-                lost.worker_id,
-                lost.last_seen_ms,
-                dropped,
-            )
-            if leader:
-                out.append((CONTROL, worker_lost_message(lost, now)))
-        return out
+    # Liveness (the base class's rule): every replica drops a silent worker from its shards; only
+    # the leader announces it.
+    def _load_consumer(self) -> TypedConsumer | None:
+        return self.fleet_consumer
+
+    def _announces(self) -> bool:
+        return self.lease.held()
+
+    def _drop_lost(self, worker_id: str) -> int:
+        self.directory.drop_worker(worker_id)
+        return self.shards.drop_worker_blocks(worker_id)
 
     async def _plan(self, now: int) -> list[Any]:
         """The leader's replication plan over every shard (the others' holders as last fetched)."""

@@ -276,16 +276,8 @@ class KvManagerService:
         if isinstance(msg, LoadReport) and not self._reports.accept(msg):
             return []  # forged or unsigned under a fleet secret
         if isinstance(msg, KvEvent):
-            verdict = self._kv_sequence.observe(msg)
-            if verdict == "gap":
-                log.warning("gap in the KV events of %s: asking it to resync", msg.worker_id)
-                return [(CONTROL, ResyncRequest(msg.worker_id, self.settings.manager_id))]
-            if verdict == "drop":
-                return []
-            self.directory.apply_kv_event(msg, env.event_ms)
-            self.metrics.events_applied += 1
-            self._unflushed_event_ms.append(env.event_ms)
-        elif isinstance(msg, LoadReport):
+            return self._apply_event(msg, env.event_ms, self.directory)
+        if isinstance(msg, LoadReport):
             self.directory.apply_load(msg)
             self._lost.discard(msg.worker_id)
         elif isinstance(msg, ChatRequest):
@@ -334,15 +326,18 @@ class KvManagerService:
         return any(n > 0 for (topic, _), n in lag.items() if topic == LOAD.name)
 
     def _liveness(self) -> list[tuple[TopicSpec, Any]]:
-        if self._load_behind(self.consumer):
+        """Declare workers silent for ``liveness_timeout_ms`` lost: drop them, and (if this manager
+        announces them, see :meth:`_announces`) publish WorkerLost."""
+        if self._load_behind(self._load_consumer()):
             return []
         s = self.settings
         clock = self.clock() if s.liveness_clock == "wall" else None
         now = liveness_now(self.directory.max_event_ms, clock)
         last_seen = {w: int(info.get("last_seen_ms", 0)) for w, info in self.directory.workers.items()}
         out: list[tuple[TopicSpec, Any]] = []
+        announce = self._announces()
         for lost in lost_workers(last_seen, now, s.liveness_timeout_ms):
-            dropped = self.directory.drop_worker(lost.worker_id)
+            dropped = self._drop_lost(lost.worker_id)
             self._lost.add(lost.worker_id)
             log.warning(
                 "worker %s lost: no LoadReport since %d (%d ms); dropped %d blocks",
@@ -351,8 +346,34 @@ class KvManagerService:
                 now - lost.last_seen_ms,
                 dropped,
             )
-            out.append((CONTROL, worker_lost_message(lost, now)))
+            if announce:
+                out.append((CONTROL, worker_lost_message(lost, now)))
         return out
+
+    def _load_consumer(self) -> TypedConsumer | None:
+        """The consumer that reads the load topic."""
+        return self.consumer
+
+    def _announces(self) -> bool:
+        """Whether this manager publishes WorkerLost (the one manager always does)."""
+        return True
+
+    def _drop_lost(self, worker_id: str) -> int:
+        """Forget a lost worker; returns how many blocks it held."""
+        return self.directory.drop_worker(worker_id)
+
+    def _apply_event(self, msg: KvEvent, event_ms: int, directory: Directory) -> list[tuple[TopicSpec, Any]]:
+        """Apply a KvEvent to ``directory`` unless it is out of sequence (a gap asks for a resync)."""
+        verdict = self._kv_sequence.observe(msg)
+        if verdict == "gap":
+            log.warning("gap in the KV events of %s: asking it to resync", msg.worker_id)
+            return [(CONTROL, ResyncRequest(msg.worker_id, self.settings.manager_id))]
+        if verdict == "drop":
+            return []
+        directory.apply_kv_event(msg, event_ms)
+        self.metrics.events_applied += 1
+        self._unflushed_event_ms.append(event_ms)
+        return []
 
     async def _flush(self, force: bool = False) -> None:
         """Start writing the changes applied so far; returns once the previous flush is confirmed.

@@ -24,11 +24,11 @@ from services.fleet_directory.layout import LEASE_KEY, REDIS_DOWN_ERRORS
 
 log = logging.getLogger(__name__)
 
-#: 1: held by us (renewed or just taken); 0: held by another replica.
+#: 1: held by us and renewed; 2: taken now (the key was free); 0: held by another replica.
 _RENEW_LUA = """
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end
-if not cur then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+if not cur then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 2 end
 return 0
 """
 
@@ -57,7 +57,9 @@ class LeaderLease:
         return self.clock() < self._valid_until
 
     async def tick(self, client: aioredis.Redis) -> bool:
-        """Renew (or try to take) the lease when due; returns True if this replica became leader now."""
+        """Renew (or try to take) the lease when due; returns True if this replica became leader now:
+        also when it thought it held the lease but found the key gone (Redis restarted empty, so what
+        the leader wrote is gone too and must be written again)."""
         now = self.clock()
         if now < self._next_try:
             return False
@@ -74,7 +76,7 @@ class LeaderLease:
             self._valid_until = 0
             if was:
                 log.warning("%s lost the KV-manager leader lease", self.holder)
-        became = bool(got) and not was
+        became = got == 2 or (got == 1 and not was)
         if became:
             self.changes += 1
             log.info("%s is the KV-manager leader (liveness, placement, fleet slice)", self.holder)

@@ -372,6 +372,14 @@ class KvManagerReplica(KvManagerService):
                 self._reload.add(shard.partition)
             except REDIS_DOWN_ERRORS:
                 return
+        if self.lease.held():
+            try:
+                await self.writer.verify(self.redis)
+            except SliceTaken as exc:
+                log.warning("%s: stepping down", exc)
+                self.lease.step_down()
+            except REDIS_DOWN_ERRORS:
+                return
 
     async def _send_all(self, jobs: list[tuple[DirectoryWriter, PendingFlush, int | None]]) -> bool:
         all_ok = True

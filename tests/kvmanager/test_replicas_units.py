@@ -175,6 +175,11 @@ async def test_one_lease_holder_and_takeover_after_expiry(redis_settings) -> Non
         # here, as the expiry would).
         await client.delete(a.key)
         assert await b.tick(client) is True
+        # Redis restarts empty while b leads: its next renewal finds the key gone and says "became",
+        # so b writes what it leads (the fleet slice) again.
+        now["t"] = 5700
+        await client.delete(b.key)
+        assert b.held() and await b.tick(client) is True
         assert b.held()
         now["t"] = 6000
         assert await a.tick(client) is False and not a.held()

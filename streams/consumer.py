@@ -341,11 +341,23 @@ class TypedConsumer:
 
     # ------------------------------------------------------------------ reading
     async def _fetch(
-        self, timeout_ms: int, max_records: int | None
+        self, timeout_ms: int, max_records: int | None, rebalance_wait_s: float | None = None
     ) -> list[tuple[TopicPartition, list[ConsumerRecord]]]:
-        """One fetch, grouped by partition (as aiokafka returns it, in offset order per partition)."""
+        """One fetch, grouped by partition (as aiokafka returns it, in offset order per partition).
+
+        ``rebalance_wait_s`` bounds the whole call: aiokafka's getmany waits for a rebalance to end
+        without a timeout. Cancelling it there drops nothing (it takes records from its buffer only
+        after its waits, without awaiting); a bounded call that runs out returns no records.
+        """
         consumer = self._require()
-        batches = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records or self.max_batch)
+        call = consumer.getmany(timeout_ms=timeout_ms, max_records=max_records or self.max_batch)
+        if rebalance_wait_s is None:
+            batches = await call
+        else:
+            try:
+                batches = await asyncio.wait_for(call, timeout=timeout_ms / 1000 + rebalance_wait_s)
+            except TimeoutError:
+                return []
         m = self.metrics
         for tp, raws in batches.items():
             if raws:
@@ -385,15 +397,19 @@ class TypedConsumer:
             self._dedup.mark(raw.topic, raw.partition, record.envelope.producer, record.envelope.seq)
         self._mark_done(tp, raw.offset)
 
-    async def getmany(self, timeout_ms: int = 100, max_records: int | None = None) -> list[Record]:
+    async def getmany(
+        self, timeout_ms: int = 100, max_records: int | None = None, rebalance_wait_s: float | None = None
+    ) -> list[Record]:
         """Fetch, decode and deduplicate a batch; dead-letter undecodable records.
 
-        The records returned count as dealt with: the next :meth:`commit` covers them.
+        The records returned count as dealt with: the next :meth:`commit` covers them. With
+        ``rebalance_wait_s``, a call that finds a group rebalance under way returns (empty) after at
+        most ``timeout_ms`` plus that long instead of waiting for the rebalance to end.
         """
         out: list[Record] = []
         append = out.append
         dedup = self._dedup if self.dedup else None
-        for tp, raws in await self._fetch(timeout_ms, max_records):
+        for tp, raws in await self._fetch(timeout_ms, max_records, rebalance_wait_s):
             topic = self._catalog_name(tp.topic)
             for raw in raws:
                 got = self._triage(tp, topic, raw)

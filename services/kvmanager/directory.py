@@ -1,6 +1,8 @@
 """The fleet's block directory in memory: which worker holds which block in which tier.
 
-The manager is the only writer. It keeps the directory in memory (authoritative while it runs) and
+The manager is the only writer of its directory (with KV-manager replicas, each replica is the only
+writer of the slices it owns: :mod:`services.kvmanager.replica`). It keeps the directory in memory
+(authoritative while it runs) and
 its write-behind (:mod:`services.kvmanager.write_behind`) writes the *changes* of each consumed batch
 to Redis in one Lua call (atomic), together with the Kafka offsets the batch reached, so Redis always
 holds a directory that is exactly "every record before these offsets, applied"::

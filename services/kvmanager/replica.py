@@ -241,19 +241,13 @@ class KvManagerReplica(KvManagerService):
         await self._publish(out)
 
     async def _kv_batch(self) -> list[Record]:
-        """The next kv-events batch, or none if a rebalance is under way: aiokafka's getmany waits
-        for the new assignment without a timeout, and the loop must go on meanwhile (lease renewal,
-        load records, the other shards' flushes). Cancelling it there drops no record: records are
-        only taken from the fetcher after the wait."""
+        """The next kv-events batch, or none while a rebalance is under way: the loop must go on
+        meanwhile (lease renewal, load records, flushes), and aiokafka would wait for its end."""
         assert self.consumer is not None
         s = self.settings
-        try:
-            return await asyncio.wait_for(
-                self.consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=s.batch_max_records),
-                timeout=s.poll_timeout_ms / 1000 + 0.25,
-            )
-        except TimeoutError:
-            return []
+        return await self.consumer.getmany(
+            timeout_ms=s.poll_timeout_ms, max_records=s.batch_max_records, rebalance_wait_s=0.25
+        )
 
     def _apply_fleet(self, record: Record) -> list[tuple[TopicSpec, Any]]:
         env = record.envelope

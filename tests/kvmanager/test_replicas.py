@@ -268,8 +268,59 @@ async def test_a_replica_rides_out_a_redis_outage_and_rewrites_its_slices(
         assert not rep.redis_ok
         redis_server.start()  # same port, empty
         await wait_for(lambda: holds(reference(first + second)), 40, "every slice written again")
-        await wait_for(lambda: _true(rep.is_leader), 10, "leader again")
+
+        async def leads() -> bool:
+            return rep.is_leader
+
+        await wait_for(leads, 10, "leader again")
 
 
-async def _true(value: bool) -> bool:
-    return value
+async def test_a_scheduler_cold_starts_from_the_replicas_slices(kafka_settings, redis_server) -> None:
+    """Two replicas write the directory in slices; a scheduler starting from the merged snapshot (and
+    the kv-events offsets of each slice) reaches the same index as one that read every record."""
+    from services.scheduler.config import SchedulerSettings
+    from services.scheduler.service import SchedulerService
+
+    redis = RedisSettings(url=redis_server.url)
+    rounds = events(0) + events(1)
+    base: dict[str, Any] = {"sharded": True, "liveness_timeout_ms": 600_000, "liveness_clock": "event"}
+    replicas = [
+        KvManagerReplica(KvManagerSettings(kafka=kafka_settings, redis=redis, manager_id=f"r{i}", **base))
+        for i in range(2)
+    ]
+    client = redis.connect()
+    try:
+        async with TypedProducer(kafka_settings, "fake-workers") as prod:
+            for w in WORKERS:
+                await prod.send(LOAD, load(w, now_ms()))
+            for ev in rounds:
+                await prod.send(KV_EVENTS, ev)
+            for r in replicas:
+                await r.start()
+
+            async def written() -> bool:
+                snap = await read_snapshot(client)
+                return snap.blocks == reference(rounds) and sum(
+                    snap.offsets.get(KV_EVENTS.name, {}).values()
+                ) == len(rounds)
+
+            await wait_for(written, 60, "both replicas wrote their slices")
+            assert all(r.shards.partitions() for r in replicas)
+            late = [stored(w, [50_000 + i], ms=now_ms()) for i, w in enumerate(WORKERS)]
+            for ev in late:  # after the snapshot: the scheduler must read these from Kafka
+                await prod.send(KV_EVENTS, ev)
+        sched = {"create_topics": False, "catch_up_timeout_s": 20, "redis": redis}
+        cold = SchedulerService(SchedulerSettings(kafka=kafka_settings, use_snapshot=True, **sched))
+        warm = SchedulerService(
+            SchedulerSettings(kafka=kafka_settings, use_snapshot=False, scheduler_id="scheduler-1", **sched)
+        )
+        async with cold, warm:
+            assert cold.snapshot_loaded
+            assert cold.metrics.value("state_records_total") < warm.metrics.value("state_records_total")
+            want = reference(rounds + late)
+            assert cold.view.index.to_dict() == warm.view.index.to_dict()
+            assert {h for h, _, _ in cold.view.index.items()} == set(want)
+    finally:
+        for r in replicas:
+            await r.stop()
+        await client.aclose()

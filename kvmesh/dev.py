@@ -14,6 +14,9 @@ from kvmesh.devstack import DevStack, DevStackSettings
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh dev", description=__doc__)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--kvmanagers", type=int, default=1, help="KV managers; more than 1 run as sharded replicas"
+    )
     p.add_argument("--host", default="127.0.0.1", help="intake bind address (loopback by default)")
     p.add_argument("--port", type=int, default=8000, help="intake port")
     p.add_argument("--policy", default="kvmesh")
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     settings = DevStackSettings(
         workers=args.workers,
+        kvmanagers=args.kvmanagers,
         intake_host=args.host,
         intake_port=args.port,
         policy=args.policy,

@@ -53,6 +53,9 @@ class DevStackSettings:
     """Shape of the embedded stack."""
 
     workers: int = 2
+    #: KV managers: 1 is the one manager ("kvmanager"); more run as sharded replicas
+    #: ("kvmanager-0", ...: one consumer group on kv-events, the leader by Redis lease).
+    kvmanagers: int = 1
     intake_host: str = "127.0.0.1"
     intake_port: int = 8000
     policy: str = "kvmesh"
@@ -175,6 +178,11 @@ class DevStack:
     def worker_ids(self) -> list[str]:
         return [f"worker-{i}" for i in range(self.settings.workers)]
 
+    @property
+    def kvmanager_names(self) -> list[str]:
+        n = self.settings.kvmanagers
+        return ["kvmanager"] if n <= 1 else [f"kvmanager-{i}" for i in range(n)]
+
     def start(self) -> None:
         if self._started:
             return
@@ -231,9 +239,15 @@ class DevStack:
             env.update(s.extra_env)
             self._env = env
             self.metrics_urls = {"intake": f"{self.intake_url}/metrics"}
-            self._spawn(
-                "kvmanager", ["-m", "services.kvmanager"], self._metrics_env("kvmanager", "KVMANAGER")
-            )
+            for name in self.kvmanager_names:
+                env_km = self._metrics_env(name, "KVMANAGER") or dict(self._env)
+                if s.kvmanagers > 1:
+                    env_km = {
+                        **env_km,
+                        "KVMESH_KVMANAGER_SHARDED": "true",
+                        "KVMESH_KVMANAGER_MANAGER_ID": name,
+                    }
+                self._spawn(name, ["-m", "services.kvmanager"], env_km)
             self._spawn(
                 "scheduler", ["-m", "services.scheduler"], self._metrics_env("scheduler", "SCHEDULER")
             )
@@ -486,7 +500,12 @@ class DevStack:
             self._supervisor.join(5)
             self._supervisor = None
         # Intake first (no new work), workers next (they announce their blocks are gone), the rest last.
-        order = ["intake", *[n for n in self.children if n.startswith("worker-")], "scheduler", "kvmanager"]
+        order = [
+            "intake",
+            *[n for n in self.children if n.startswith("worker-")],
+            "scheduler",
+            *self.kvmanager_names,
+        ]
         try:
             for name in order:
                 child = self.children.get(name)

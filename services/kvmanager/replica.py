@@ -255,9 +255,7 @@ class KvManagerReplica(KvManagerService):
             return []
         msg = env.message
         if isinstance(msg, LoadReport):
-            if self._block_size_ok(msg, self.settings.block_size) and self._reports.accept(msg):
-                self.directory.apply_load(msg)
-                self._lost.discard(msg.worker_id)
+            self._apply_load(msg)
         elif isinstance(msg, ChatRequest):
             # No fleet hit/miss counts here: "held anywhere" needs every shard.
             self.directory.max_event_ms = max(self.directory.max_event_ms, msg.arrival_ms)
@@ -359,39 +357,36 @@ class KvManagerReplica(KvManagerService):
             return
         self._next_verify = wall + 1000
         assert self.redis is not None
-        for shard in self.shards:
-            try:
-                await shard.writer.verify(self.redis)
-            except SliceTaken:
-                self._reload.add(shard.partition)
-            except REDIS_DOWN_ERRORS:
-                return
+        slices: list[tuple[DirectoryWriter, int | None]] = [(sh.writer, sh.partition) for sh in self.shards]
         if self.lease.held():
+            slices.append((self.writer, None))
+        for writer, partition in slices:
             try:
-                await self.writer.verify(self.redis)
+                await writer.verify(self.redis)
             except SliceTaken as exc:
-                log.warning("%s: stepping down", exc)
-                self.lease.step_down()
+                self._slice_taken(exc, partition)
             except REDIS_DOWN_ERRORS:
                 return
 
     async def _send_all(self, jobs: list[tuple[DirectoryWriter, PendingFlush, int | None]]) -> bool:
-        all_ok = True
-        for writer, pending, partition in jobs:
+        for i, (writer, pending, partition) in enumerate(jobs):
             try:
                 ok = await self._send(pending, writer)
             except SliceTaken as exc:
-                log.warning("%s", exc)
-                if partition is None:
-                    self.lease.step_down()
-                else:
-                    self._reload.add(partition)
+                self._slice_taken(exc, partition)
                 continue
-            all_ok = all_ok and ok
             if not ok:
                 # Redis is down: the rest would fail too; give their changes back for the next try.
-                for other_writer, other, _ in jobs[jobs.index((writer, pending, partition)) + 1 :]:
+                for other_writer, other, _ in jobs[i + 1 :]:
                     other_writer.directory.restore_changes(other.dirty)
                     self._unflushed_event_ms[:0] = other.event_ms
-                break
-        return all_ok
+                return False
+        return True
+
+    def _slice_taken(self, exc: SliceTaken, partition: int | None) -> None:
+        """Another writer moved a slice of ours: reload that shard, or (the fleet slice) step down."""
+        log.warning("%s", exc)
+        if partition is None:
+            self.lease.step_down()
+        else:
+            self._reload.add(partition)

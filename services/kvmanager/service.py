@@ -270,20 +270,23 @@ class KvManagerService:
         if not self.directory.accept(record.topic, record.partition, record.offset, env.producer, env.seq):
             return []
         msg = env.message
-        bs = self.settings.block_size
-        if isinstance(msg, LoadReport | KvEvent) and not self._block_size_ok(msg, bs):
-            return []
-        if isinstance(msg, LoadReport) and not self._reports.accept(msg):
-            return []  # forged or unsigned under a fleet secret
         if isinstance(msg, KvEvent):
+            if not self._block_size_ok(msg, self.settings.block_size):
+                return []
             return self._apply_event(msg, env.event_ms, self.directory)
         if isinstance(msg, LoadReport):
-            self.directory.apply_load(msg)
-            self._lost.discard(msg.worker_id)
+            self._apply_load(msg)
         elif isinstance(msg, ChatRequest):
             self.directory.observe_lookup(msg)
             return [(CONTROL, hint) for hint in self.placement.on_request(msg, self.directory)]
         return []
+
+    def _apply_load(self, msg: LoadReport) -> None:
+        """Record a worker's report, unless its block size is not the fleet's or (under a fleet
+        secret) it is forged or unsigned."""
+        if self._block_size_ok(msg, self.settings.block_size) and self._reports.accept(msg):
+            self.directory.apply_load(msg)
+            self._lost.discard(msg.worker_id)
 
     def _block_size_ok(self, msg: LoadReport | KvEvent, block_size: int | None) -> bool:
         """False for a worker that announced another block size than the fleet's: its blocks would be

@@ -103,10 +103,6 @@ class DirectoryWriter:
         self._version: int | None = None
         self.full_rewrites = 0
 
-    @property
-    def version(self) -> int | None:
-        return self._version
-
     def _payload(self, d: DirtyKeys, unlink: list[str] | None = None) -> bytes:
         """The writes of ``d`` as one MessagePack map for :data:`APPLY_LUA` (hashes as decimal text:
         Lua numbers are doubles and would round 64-bit hashes)."""
@@ -240,8 +236,7 @@ class DirectoryWriter:
         if self.fenced and int(raw or 0) > self._version:
             raise SliceTaken(self.prefix, self._version, int(raw or 0))
         log.warning("directory in Redis is gone or foreign (version %s): rewriting it from memory", raw)
-        self._version = await self._rewrite_all(client)
-        self.directory.take_changes()  # all written by the rewrite
+        await self.take_over(client)
         return True
 
     async def _rewrite_all(self, client: aioredis.Redis) -> int:

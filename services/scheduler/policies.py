@@ -146,7 +146,8 @@ def score_worker(
             run = max(peer.counts[0], 1)
             peer_dram = -(-peer.counts[2] * k // run)
             peer_disk = -(-peer.counts[3] * k // run)
-            t = fetch_ms(p, k, peer.ws.profile, peer_dram, peer_disk)
+            # behind the pulls already planned onto this worker's link
+            t = fetch_ms(p, k, peer.ws.profile, peer_dram, peer_disk) + view.link_wait_ms(ws, now_ms)
             if t < recompute_ms(p, k * bs, cached * bs):
                 fetch = k
                 fetch_from = peer.ws.worker_id

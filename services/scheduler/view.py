@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh_core.costmodel import PerfProfile, decode_ms, queued_prefill_ms, recompute_ms
+from kvmesh_core.costmodel import PerfProfile, decode_ms, pull_ms, queued_prefill_ms, recompute_ms
 from schemas.kv_sequence import KvSequence
 from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.prefix_index import PrefixIndex
@@ -75,6 +75,10 @@ class WorkerState:
     pending: deque[PendingWork] = field(default_factory=deque)
     pending_total_ms: float = 0.0  # prefill ms of everything in ``pending`` (decay not applied)
     pending_in_order: bool = True  # ``pending`` sorted by assign_ms (false only for out-of-order drivers)
+    # When the pulls the router planned onto this worker end (event time): a worker pulls one request's
+    # blocks at a time on its link, before the request joins its queue, and no report says how far
+    # behind its link is. Deterministic given the ordered decisions, as ``pending`` is.
+    link_free_ms: float = 0.0
 
     @property
     def transfer_address(self) -> str:
@@ -366,6 +370,12 @@ class FleetView:
             elif now_ms < pending[-1].assign_ms:
                 ws.pending_in_order = False
             pending.append(PendingWork(now_ms, req.request_id, a.prefill_tokens, cached, cost))
+            if a.fetch:
+                pulls = 0.0
+                for plan in a.fetch:
+                    peer = self.workers.get(plan.peer_worker)
+                    pulls += pull_ms(ws.profile, len(plan.block_hashes), peer.profile if peer else None)
+                ws.link_free_ms = max(ws.link_free_ms, float(now_ms)) + pulls
             ws.pending_total_ms += cost
             self._set_load_key(a.worker_id, ws.base_queue_ms + ws.pending_total_ms)
         self.assignments_noted += 1
@@ -473,6 +483,10 @@ class FleetView:
         return sum(
             w.cost_ms for w in ws.pending if oldest < w.assign_ms <= now_ms and w.assign_ms >= ws.report_ms
         )
+
+    def link_wait_ms(self, ws: WorkerState, now_ms: int) -> float:
+        """How long a pull planned onto ``ws`` now would wait for the pulls planned before it."""
+        return max(ws.link_free_ms - now_ms, 0.0)
 
     def pending_prefill_tokens(self, ws: WorkerState, now_ms: int) -> int:
         """Prompt tokens still to prefill of the router's own assignments its reports do not cover."""

@@ -294,3 +294,27 @@ def test_no_fetch_to_or_from_a_worker_that_moves_no_kv_bytes(no_transfer: str) -
     # without a fetch, the busy holder still wins on reuse or the idle one recomputes; never both
     assert a.estimate.fetched_blocks == 0
     assert (a.worker_id == "w-0") == (a.reuse_blocks > 0)
+
+
+def test_pulls_planned_onto_one_worker_wait_for_its_link() -> None:
+    """A worker pulls one request's blocks at a time: a second pull planned onto w-1 in the same
+    millisecond as the first is priced behind it, and once the link is free again it is not."""
+    view = fleet(2, w_0=BUSY)
+    base = prompt(96, 7)  # 6 blocks held by the busy w-0
+    view.apply_kv_event(stored("w-0", request("x", base).block_hashes))
+    router = Router(view, RouterSettings())
+    first = router.decide(request("r1", base + prompt(4, 1), arrival_ms=1000), 1000).assignment
+    assert first is not None and first.worker_id == "w-1" and first.fetch
+    ws = view.workers["w-1"]
+    pull = ws.link_free_ms - 1000
+    assert pull > 0
+    assert view.link_wait_ms(ws, 1000) == pytest.approx(pull)
+    second = router.decide(request("r2", base + prompt(4, 2), arrival_ms=1000), 1000)
+    on_w1 = next(c for c in second.candidates if c.worker_id == "w-1")
+    # the same pull, behind the first one's
+    assert on_w1.fetch_blocks == 6
+    assert on_w1.transfer_ms == pytest.approx(first.estimate.transfer_ms + pull)
+    assert view.link_wait_ms(ws, int(ws.link_free_ms) + 1) == 0.0
+    third = router.decide(request("r3", base + prompt(4, 3), arrival_ms=5000), 5000)
+    on_w1 = next(c for c in third.candidates if c.worker_id == "w-1")
+    assert on_w1.transfer_ms == pytest.approx(first.estimate.transfer_ms)

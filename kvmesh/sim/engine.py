@@ -33,6 +33,7 @@ from kvmesh.sim.cache import FleetHolders
 from kvmesh.sim.errors import SimError
 from kvmesh.sim.events import EventQueue
 from kvmesh.sim.metrics import RequestRecord, summarize
+from kvmesh.sim.oracle import ORACLE, oracle_policy
 from kvmesh.sim.truth import TruthScale
 from kvmesh.sim.worker import Job, SimWorker
 from kvmesh_core.costmodel import PerfProfile
@@ -43,6 +44,10 @@ from services.scheduler.view import FleetView, ViewSettings
 from streams.topics import ASSIGNMENTS, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
 
 log = logging.getLogger(__name__)
+
+#: What a simulation runs: every policy of the scheduler's registry, and the perfect-information
+#: reference (kvmesh.sim.oracle), which only a simulator can run.
+SIM_POLICIES: tuple[str, ...] = (*POLICIES, ORACLE)
 
 _ARRIVE, _RETRY, _WORKER, _DELIVER, _HEARTBEAT = range(5)
 
@@ -85,8 +90,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 16384:
             raise SimError("workers must be in [1, 16384]")
-        if self.policy not in POLICIES:
-            raise SimError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if self.policy not in SIM_POLICIES:
+            raise SimError(f"unknown policy {self.policy!r}; choose from {', '.join(SIM_POLICIES)}")
         if self.lag_ms < 0 or self.heartbeat_ms <= 0 or self.retry_ms <= 0:
             raise SimError("lag_ms must be >= 0, heartbeat_ms and retry_ms > 0")
 
@@ -119,9 +124,6 @@ class Simulation:
         if self.profile.gpu_blocks < 1:
             raise SimError("the profile's GPU tier holds no block at this block size")
         self.view = FleetView(config.block_size, config.view)
-        settings = RouterSettings(policy=config.policy, **config.router)
-        self.router = Router(self.view, settings, scheduler_id="sim-scheduler")
-        self.dispatcher = FairDispatcher(self.router, config.quantum_tokens)
         self._retry_due = False
         self.queue = EventQueue()
         self.peers: dict[str, SimWorker] = {}
@@ -142,6 +144,11 @@ class Simulation:
             for i in range(config.workers)
         ]
         self.peers.update((w.worker_id, w) for w in self.workers)
+        settings = RouterSettings(policy=config.policy, **config.router)
+        # the reference policy reads the workers themselves, at the engine's (fractional) time
+        oracle = oracle_policy(self.peers, lambda: self.now) if config.policy == ORACLE else None
+        self.router = Router(self.view, settings, scheduler_id="sim-scheduler", policy_func=oracle)
+        self.dispatcher = FairDispatcher(self.router, config.quantum_tokens)
         self.now = 0.0
         self.rejected = 0
         self.deferrals = 0

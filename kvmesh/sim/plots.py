@@ -15,6 +15,7 @@ import numpy as np
 
 from kvmesh.sim.engine import SimResult
 from kvmesh.sim.metrics import ttft_seconds
+from kvmesh.sim.oracle import ORACLE
 
 
 def plot_ttft_cdf(results: list[SimResult], path: Path) -> Path:
@@ -109,6 +110,9 @@ def plot_time_scale_sweep(sweep: list[dict[str, Any]], met: list[float], path: P
             ax.axvspan(left, right, color="tab:green", alpha=0.15, label="goal met" if k == 0 else None)
         for policy in policies:
             ys = [max(float(r["policies"][policy][key]), 1e-4) for r in rows]
+            if policy == ORACLE:  # a reference, not a router one could run: drawn apart
+                ax.plot(scales, ys, color="gray", linestyle=":", marker=".", label=f"{policy} (reference)")
+                continue
             ax.plot(scales, ys, marker="o", label=policy, linewidth=2.2 if policy == "kvmesh" else 1.2)
         if rows and all("bound" in r for r in rows):
             ys = [max(float(r["bound"][key]), 1e-4) for r in rows]

@@ -24,6 +24,7 @@ written to the GPU tier; cache changes go out as KvEvents, and a LoadReport afte
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,17 @@ Schedule = Callable[[float, "SimWorker", "Job | None"], None]
 
 #: A LoadReport's defaults for what a simulated worker has no facts of (model, engine, context).
 _REPORT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(LoadReport)}
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What :meth:`SimWorker.probe` found: the true TTFT, its own prefill iteration's share (no decode
+    step), the leading blocks reused in place and those pulled from the source first."""
+
+    ttft_ms: float
+    prefill_ms: float
+    cached_blocks: int
+    fetch_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -333,18 +345,9 @@ class SimWorker:
 
     def _serve(self, job: Job) -> float:
         """Plan ``job``'s prompt against the real caches; return the prefill iteration's length."""
-        p = self.real
-        bs = p.block_size
-        hashes = int_list(job.request.block_hashes)
+        bs = self.real.block_size
         n_tok = len(job.request.token_ids)
-        max_reuse = reusable_blocks(n_tok, bs)
-        local = self.cache.prefix_tiers(hashes)[:max_reuse]
-        n = len(local)
-        cost = 0.0
-        for t in (1, 2):  # promote local lower-tier blocks to the GPU
-            k = local.count(t)
-            if k:
-                cost += promote_ms(p, TIERS[t], k)
+        promote, n = self._prefill_plan(job.request)
         cached_tokens = n * bs
         new_tokens = n_tok - cached_tokens
         job.prompt_tokens = n_tok
@@ -352,10 +355,94 @@ class SimWorker:
         job.fetched_tokens = min(n, job.fetched_blocks) * bs
         job.reused_tokens = n * bs - job.fetched_tokens
         job.recomputed_tokens = new_tokens
-        job.prefill_ms = recompute_ms(p, new_tokens, cached_tokens) * self.truth.prefill_noise(
+        job.prefill_ms = recompute_ms(self.real, new_tokens, cached_tokens) * self.truth.prefill_noise(
             job.request.request_id
         )
-        return cost + job.prefill_ms
+        return promote + job.prefill_ms
+
+    def _prefill_plan(self, request: ChatRequest) -> tuple[float, int]:
+        """What a prefill of ``request`` would reuse from this worker's cache now: the time to promote
+        its local lower-tier blocks to the GPU, and how many leading blocks it reuses."""
+        p = self.real
+        hashes = int_list(request.block_hashes)
+        max_reuse = reusable_blocks(len(request.token_ids), p.block_size)
+        local = self.cache.prefix_tiers(hashes)[:max_reuse]
+        cost = 0.0
+        for t in (1, 2):  # promote local lower-tier blocks to the GPU
+            k = local.count(t)
+            if k:
+                cost += promote_ms(p, TIERS[t], k)
+        return cost, len(local)
+
+    def held_prefix(self, request: ChatRequest) -> int:
+        """How many leading blocks of ``request`` this worker's cache holds now (any tier)."""
+        return len(self.cache.prefix_tiers(int_list(request.block_hashes)))
+
+    def probe(self, request: ChatRequest, now_ms: float, source: SimWorker | None = None) -> Probe:
+        """The TTFT ``request`` would have if assigned here at ``now_ms``, from the worker's real state
+        (the simulator's perfect-information reference, kvmesh.sim.oracle), reusing what this worker
+        holds and, when it is faster, first pulling from ``source`` the blocks it holds past that.
+
+        Exact when nothing changes before the request starts; it can be off when a queued prompt stores
+        blocks a later one shares (the later one gets cheaper), when an eviction takes a block it
+        counted, or when other requests join the queue while its pull is on the link.
+        """
+        p = self.real
+        bs = p.block_size
+        step = p.decode_ms_per_step
+        t, batch = self._drain_ms(now_ms)
+        carried = step if batch else 0.0  # its own iteration carries a step of a running batch
+        n_tok = len(request.token_ids)
+        noise = self.truth.prefill_noise(request.request_id)
+        promote, n = self._prefill_plan(request)
+        own = promote + recompute_ms(p, n_tok - n * bs, n * bs) * noise
+        best = Probe(t + own + carried - now_ms, own, n)
+        if source is None:
+            return best
+        hashes = int_list(request.block_hashes)
+        lower = [0, 0, 0]
+        k = 0
+        for h in hashes[n : reusable_blocks(n_tok, bs)]:
+            tier = source.cache.tier_of(h)
+            if tier is None:
+                break
+            lower[tier] += 1
+            k += 1
+        if not k:
+            return best
+        ready = max(now_ms, self._link_free) + pull_ms(p, k, source.real, lower[1], lower[2])
+        if ready <= t:
+            begin = t  # queued behind what is queued now
+        elif batch:  # a decode-only run from t: the next step boundary after the pull lands
+            begin = t + math.ceil((ready - t) / step) * step
+        else:
+            begin = ready
+        landed = promote_ms(p, "dram", k) if p.dram_blocks > 0 else 0.0  # promoted at prefill
+        reused = (n + k) * bs
+        own_f = promote + landed + recompute_ms(p, n_tok - reused, reused) * noise
+        ttft = begin + own_f + carried - now_ms
+        return Probe(ttft, own_f, n, k) if ttft < best.ttft_ms else best
+
+    def _drain_ms(self, now_ms: float) -> tuple[float, bool]:
+        """When a prefill assigned now could start (after the iteration in flight, or the decode step
+        in flight, and every queued prefill, each carrying a step of the running batch), and whether a
+        batch decodes by then."""
+        step = self.real.decode_ms_per_step
+        t = now_ms
+        if now_ms < self.busy_until:
+            if self._run_steps:  # a decode-only run is cut at the next step boundary (see _wake)
+                t = self._run_start + (int((now_ms - self._run_start) // step) + 1) * step
+            else:
+                t = self.busy_until
+        batch = bool(self._decoding) or (self._prefilling is not None and now_ms < self.busy_until)
+        for job in self._queue:
+            promote, n = self._prefill_plan(job.request)
+            cached = n * self.real.block_size
+            noise = self.truth.prefill_noise(job.request.request_id)
+            t += promote + recompute_ms(self.real, len(job.request.token_ids) - cached, cached) * noise
+            t += self.real.decode_ms_per_step if batch else 0.0
+            batch = True  # once a prompt is prefilled it decodes beside every later prefill
+        return t, batch
 
     def _finish_prefill(self, job: Job, now_ms: float) -> None:
         req = job.request

@@ -19,7 +19,7 @@ from schemas.messages import Assignment, ChatRequest, Completion, Estimate, Fetc
 from services.scheduler.errors import UnknownPolicy
 from services.scheduler.fairness import deadline_rejection, rejection
 from services.scheduler.policies import CandidateScore, ScoringParams
-from services.scheduler.registry import HOLDING_POLICIES, POLICIES, POLICY_FUNCS, prepare_view
+from services.scheduler.registry import HOLDING_POLICIES, POLICIES, POLICY_FUNCS, Policy, prepare_view
 from services.scheduler.view import FleetView
 
 __all__ = ["POLICIES", "CandidateScore", "Decision", "Router", "RouterSettings"]
@@ -55,14 +55,22 @@ class Decision:
 class Router:
     """Owns the decision sequence number of one scheduler replica; reads and notes into the view."""
 
-    def __init__(self, view: FleetView, settings: RouterSettings, scheduler_id: str = "scheduler-0") -> None:
-        if settings.policy not in POLICY_FUNCS:
+    def __init__(
+        self,
+        view: FleetView,
+        settings: RouterSettings,
+        scheduler_id: str = "scheduler-0",
+        policy_func: Policy | None = None,
+    ) -> None:
+        """``policy_func``: a policy that is not in the registry, named ``settings.policy`` (the
+        simulator's perfect-information reference, which reads the simulated workers themselves)."""
+        if policy_func is None and settings.policy not in POLICY_FUNCS:
             raise UnknownPolicy(f"unknown policy {settings.policy!r}; choose one of {', '.join(POLICIES)}")
         self.view = view
         self.settings = settings
         self.scheduler_id = scheduler_id
         self.decision_seq = 0
-        self._policy = POLICY_FUNCS[settings.policy]
+        self._policy = policy_func or POLICY_FUNCS[settings.policy]
         prepare_view(view, settings.policy)
         # Holding pays only when the policy's choice is the least wait in the fleet: a baseline that
         # picks one busy worker (round robin, most cached blocks) would hold everything behind it

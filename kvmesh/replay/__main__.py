@@ -28,7 +28,7 @@ from kvmesh.replay.exact import ExactDecision, ExactReport
 from kvmesh.replay.record import kafka_settings, parse_topics
 from kvmesh.replay.replayer import explain, fetch_window, format_decision, read_window, replay_any
 from schemas.errors import SchemaError
-from services.scheduler.errors import SchedulerError
+from services.scheduler.errors import SchedulerError, UnknownPolicy
 from services.scheduler.view import ViewSettings
 from streams.errors import StreamsError
 
@@ -96,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             top_k=args.top,
         )
+    except UnknownPolicy as exc:
+        # e.g. a simulator recording of its perfect-information reference, which no scheduler runs
+        hint = "" if args.policy else " (the recorded policy; decide with another one: --policy NAME)"
+        sys.stderr.write(f"kvmesh replay: {exc}{hint}\n")
+        return 2
     except (ReplayError, SchedulerError, SchemaError, StreamsError, OSError) as exc:
         sys.stderr.write(f"kvmesh replay: {exc}\n")
         return 2

@@ -84,3 +84,20 @@ def test_sweep_runs_the_oracle_beside_the_peers(tmp_path: Path, capsys: pytest.C
     assert set(row["policies"]) == {"kvmesh", "sglang", ORACLE}
     assert row["policies"][ORACLE]["ttft_p50_s"] >= row["bound"]["ttft_p50_s"] - 1e-9
     assert main(["--trace", str(trace), "--policies", "kvmesh,oracle"]) == 2
+
+
+def test_a_recorded_oracle_run_replays_only_with_another_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvmesh.replay.__main__ import main as replay_main
+
+    trace = tiny_trace(tmp_path / "trace.jsonl", 12)
+    rec = tmp_path / "rec.jsonl"
+    argv = ["--trace", str(trace), "--workers", "3", "--policies", ORACLE, "--record", str(rec)]
+    assert main([*argv, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert replay_main([str(rec)]) == 2
+    assert "--policy NAME" in capsys.readouterr().err
+    assert replay_main([str(rec), "--policy", "kvmesh", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["requests"] == 12

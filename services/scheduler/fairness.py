@@ -1,11 +1,19 @@
 """Deadlines and tenant fairness: who gets decided next, and who is turned away.
 
-Requests wait in one FIFO per tenant; :class:`FairDispatcher` serves the tenants by deficit round robin
+Requests wait in one queue per tenant; :class:`FairDispatcher` serves the tenants by deficit round robin
 with a quantum of prompt tokens, so a tenant flooding the fleet gets its share per round and every other
 tenant's requests are decided before the flood drains::
 
     round 1:  A +quantum → A1 A2 A3 (until A's deficit is spent)   B +quantum → B1   C → C1 C2
     round 2:  A +quantum → A4 A5 A6 ...
+
+Within a tenant, requests go by *virtual finish time*: arrival plus the least prefill the fleet could do
+for them when they were queued (``policies.least_prefill_ms``: the rest of the prompt after its longest
+cached prefix), ties in arrival order. While the fleet holds (late binding), a request that costs 10 ms
+does not wait behind one that arrived 5 ms earlier and costs 2 s, while one that arrived seconds
+earlier still goes first: a short job's lead is bounded by its own work, so nothing starves, and the
+order needs no tuned constant. A request that finds its tenant's queue empty is decided at once (or
+is the oldest held one), so it is not priced.
 
 A tenant at its in-flight cap (RouterSettings.tenant_max_inflight) is skipped until Completions free a
 slot; a fleet-wide hold (no live worker, overload) stops the drain until the next event. A queued request
@@ -14,10 +22,14 @@ whose deadline passed is rejected at the next drain, wherever it is in its queue
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from schemas.messages import ChatRequest, Completion
+from services.scheduler.policies import least_prefill_ms
 
 if TYPE_CHECKING:
     from services.scheduler.router import Decision, Router
@@ -44,17 +56,54 @@ def deadline_rejection(req: ChatRequest, now_ms: int) -> Completion | None:
     return None
 
 
+class TenantQueue:
+    """One tenant's held requests, lowest virtual finish time first (ties by submit order).
+
+    A binary heap of ``(key, seq, request)``: the head and a pop cost O(log n) however many requests an
+    overloaded fleet holds; removing from the middle (a cancel, an expired deadline) rebuilds it.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, ChatRequest]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[ChatRequest]:
+        """In no particular order."""
+        return (e[2] for e in self._heap)
+
+    def push(self, key: float, seq: int, req: ChatRequest) -> None:
+        heapq.heappush(self._heap, (key, seq, req))
+
+    def head(self) -> ChatRequest:
+        return self._heap[0][2]
+
+    def pop(self) -> ChatRequest:
+        return heapq.heappop(self._heap)[2]
+
+    def remove_if(self, drop: Callable[[ChatRequest], bool]) -> list[ChatRequest]:
+        """Remove every request ``drop`` selects; return them in queue order."""
+        gone = sorted(e for e in self._heap if drop(e[2]))
+        if gone:
+            self._heap = [e for e in self._heap if not drop(e[2])]
+            heapq.heapify(self._heap)
+        return [e[2] for e in gone]
+
+
 class FairDispatcher:
     """Owns the per-tenant queues of requests not yet decided and their DRR deficits.
 
     Invariants: a tenant is in ``_active`` iff its queue is non-empty; requests of one tenant are
-    decided in arrival (submit) order; deferred requests stay at the head of their queue.
+    decided in virtual-finish order (see the module doc), which is submit order among equals; a
+    deferred request stays at the head of its queue unless one that should finish sooner arrives.
     """
 
     def __init__(self, router: Router, quantum_tokens: int = 4096) -> None:
         self.router = router
         self.quantum_tokens = max(1, quantum_tokens)
-        self._queues: dict[str, deque[ChatRequest]] = {}
+        self._queues: dict[str, TenantQueue] = {}
+        self._seq = 0
         self._deficit: dict[str, int] = {}
         self._active: deque[str] = deque()
         self._queued = 0
@@ -67,23 +116,27 @@ class FairDispatcher:
     def submit(self, req: ChatRequest) -> None:
         q = self._queues.get(req.tenant)
         if q is None:
-            q = self._queues[req.tenant] = deque()
+            q = self._queues[req.tenant] = TenantQueue()
         if not q:
             self._active.append(req.tenant)
             self._deficit[req.tenant] = 0
-        q.append(req)
+            key = -math.inf  # decided at the next drain, or the oldest request held: not priced
+        else:
+            # priced at its arrival (event time): the same ordered input orders the same way
+            key = req.arrival_ms + least_prefill_ms(self.router.view, req, req.arrival_ms)
+        self._seq += 1
+        q.push(key, self._seq, req)
         self._queued += 1
 
     def cancel(self, request_id: str) -> ChatRequest | None:
         """Remove a queued request (the client went away). None when it is not queued."""
         for tenant, q in self._queues.items():
-            for req in q:
-                if req.request_id == request_id:
-                    q.remove(req)
-                    self._queued -= 1
-                    if not q:
-                        self._active.remove(tenant)
-                    return req
+            gone = q.remove_if(lambda r: r.request_id == request_id)
+            if gone:
+                self._queued -= len(gone)
+                if not q:
+                    self._active.remove(tenant)
+                return gone[0]
         return None
 
     def drain(self, now_ms: int) -> list[Decision]:
@@ -104,7 +157,7 @@ class FairDispatcher:
                 q = self._queues[tenant]
                 self._deficit[tenant] += self.quantum_tokens
                 while q:
-                    req = q[0]
+                    req = q.head()
                     cost = max(1, len(req.token_ids))
                     if cost > self._deficit[tenant]:
                         progress = True  # it will fit after more quanta
@@ -120,7 +173,7 @@ class FairDispatcher:
                             break
                         self._finish_round()
                         return out  # fleet-wide hold: nothing else can be placed now either
-                    q.popleft()
+                    q.pop()
                     self._queued -= 1
                     self._deficit[tenant] -= cost
                     out.append(d)
@@ -143,15 +196,10 @@ class FairDispatcher:
 
         for tenant in list(self._active):
             q = self._queues[tenant]
-            keep: deque[ChatRequest] = deque()
-            for req in q:
-                rejected = deadline_rejection(req, now_ms)
-                if rejected is None:
-                    keep.append(req)
-                else:
-                    out.append(Decision(None, rejected, [], reason="deadline"))
-                    self._queued -= 1
-            self._queues[tenant] = keep
-            if not keep:
+            for req in q.remove_if(lambda r: deadline_rejection(r, now_ms) is not None):
+                rejected = deadline_rejection(req, now_ms) or rejection(req, "deadline exceeded")
+                out.append(Decision(None, rejected, [], reason="deadline"))
+                self._queued -= 1
+            if not q:
                 self._active.remove(tenant)
                 self._deficit[tenant] = 0

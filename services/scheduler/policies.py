@@ -97,6 +97,20 @@ def holders(view: FleetView, req: ChatRequest, now_ms: int, as_source: bool = Fa
     return out
 
 
+def least_prefill_ms(view: FleetView, req: ChatRequest, now_ms: int) -> float:
+    """The least prefill the fleet could do for ``req`` now: the rest of the prompt after its longest
+    prefix cached on a live worker, priced with that worker's profile (any live worker's when none
+    holds any of it; 0 when no worker serves the model). Queues and links are not counted: this is the
+    request's own work, which orders the requests the scheduler holds (fairness.FairDispatcher)."""
+    found = holders(view, req, now_ms)
+    n_tok = len(req.token_ids)
+    if found:
+        cached = min(found[0].counts[0], reusable_blocks(n_tok, req.block_size)) * req.block_size
+        return recompute_ms(found[0].ws.profile, n_tok - cached, cached)
+    live = view.live_workers(now_ms, req.model)
+    return recompute_ms(view.workers[live[0]].profile, n_tok) if live else 0.0
+
+
 def least_loaded_workers(view: FleetView, live: list[str], k: int, now_ms: int) -> list[str]:
     """The ``k`` live workers with the least estimated queue wait (ties by active tokens, then id)."""
     if len(live) <= k:

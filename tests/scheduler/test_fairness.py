@@ -6,10 +6,11 @@ import msgspec
 
 from schemas.messages import Completion
 from services.scheduler.fairness import FairDispatcher
+from services.scheduler.policies import least_prefill_ms
 from services.scheduler.router import Router, RouterSettings
 from services.scheduler.view import FleetView
 
-from .factories import load, prompt, request
+from .factories import load, prompt, request, stored
 
 
 def fleet() -> FleetView:
@@ -98,3 +99,65 @@ def test_held_positions_cap_the_commit_at_the_oldest_held_request() -> None:
     held.done("b")
     held.done("c")
     assert held.commit_limits() == {0: 7} and len(held) == 1
+
+
+def _held_fleet() -> tuple[FleetView, FairDispatcher]:
+    """Two workers with ~140 ms queued each and a 100 ms late-binding threshold: kvmesh holds."""
+    view = FleetView()
+    for i in range(2):
+        view.apply_load(load(f"w-{i}", queue_depth=1, queued_prefill_tokens=2000))
+    return view, FairDispatcher(Router(view, RouterSettings(max_queue_ms=100)))
+
+
+def _release(view: FleetView, now_ms: int) -> None:
+    for i in range(2):
+        view.apply_load(load(f"w-{i}", report_ms=now_ms))
+
+
+def test_held_requests_go_by_virtual_finish_time() -> None:
+    """Arrival plus the request's own least prefill: a short prompt passes a long one that arrived a
+    few ms earlier, a prompt cached on a worker counts as short, equal ones keep arrival order."""
+    view, disp = _held_fleet()
+    cached = prompt(2048, 5)
+    view.apply_kv_event(stored("w-1", request("x", cached).block_hashes))
+    disp.submit(request("first", prompt(2048, 1), arrival_ms=1000))  # the head: held first
+    disp.submit(request("long", prompt(2048, 2), arrival_ms=1001))
+    disp.submit(request("short", prompt(32, 3), arrival_ms=1005))
+    disp.submit(request("hit", [*cached, 1, 2, 3], arrival_ms=1010))  # 2051 tokens, 2048 cached
+    disp.submit(request("short2", prompt(32, 4), arrival_ms=1005))
+    assert disp.drain(1011) == [] and len(disp) == 5
+    _release(view, 1020)
+    order = [d.assignment.request.request_id for d in disp.drain(1020) if d.assignment]
+    assert order == ["first", "short", "short2", "hit", "long"]
+
+
+def test_a_short_prompt_passes_a_long_one_only_within_its_lead() -> None:
+    """No starvation: a prompt arriving later than the long one's own work goes after it."""
+    view, disp = _held_fleet()
+    long_req = request("long", prompt(2048, 2), arrival_ms=1001)
+    disp.submit(request("first", prompt(64, 1), arrival_ms=1000))
+    disp.submit(long_req)
+    work = least_prefill_ms(view, long_req, 1001)
+    assert work > 50
+    disp.submit(request("late", prompt(32, 3), arrival_ms=1001 + int(work) + 5))
+    disp.submit(request("early", prompt(32, 4), arrival_ms=1001 + int(work) - 20))
+    assert disp.drain(1000 + int(work) + 10) == []
+    _release(view, 5000)
+    order = [d.assignment.request.request_id for d in disp.drain(5000) if d.assignment]
+    assert order == ["first", "early", "long", "late"]
+
+
+def test_cancel_and_expiry_keep_the_order_of_the_rest() -> None:
+    view, disp = _held_fleet()
+    disp.submit(request("a", prompt(64, 1), arrival_ms=1000))
+    disp.submit(request("b", prompt(1024, 2), arrival_ms=1001))
+    disp.submit(request("c", prompt(32, 3), arrival_ms=1002, deadline_ms=1500))
+    disp.submit(request("d", prompt(32, 4), arrival_ms=1003))
+    disp.submit(request("e", prompt(16, 5), arrival_ms=1004))
+    assert disp.cancel("d") is not None and disp.cancel("d") is None
+    assert disp.drain(1010) == []
+    _release(view, 2000)
+    out = disp.drain(2000)
+    assert [d.assignment.request.request_id for d in out if d.assignment] == ["a", "e", "b"]
+    assert [d.rejection.request_id for d in out if d.rejection] == ["c"]
+    assert len(disp) == 0

@@ -84,11 +84,14 @@ class TenantQueue:
 
     def remove_if(self, drop: Callable[[ChatRequest], bool]) -> list[ChatRequest]:
         """Remove every request ``drop`` selects; return them in queue order."""
-        gone = sorted(e for e in self._heap if drop(e[2]))
+        keep: list[tuple[float, int, ChatRequest]] = []
+        gone: list[tuple[float, int, ChatRequest]] = []
+        for e in self._heap:
+            (gone if drop(e[2]) else keep).append(e)
         if gone:
-            self._heap = [e for e in self._heap if not drop(e[2])]
-            heapq.heapify(self._heap)
-        return [e[2] for e in gone]
+            self._heap = keep
+            heapq.heapify(keep)
+        return [e[2] for e in sorted(gone)]
 
 
 class FairDispatcher:

@@ -42,6 +42,7 @@ from schemas.messages import CancelRequest, ChatRequest, SamplingParams
 from streams import topics
 from streams.clock import now_ms
 from streams.settings import KafkaSettings
+from streams.tasks import stop_task
 
 log = logging.getLogger("kvmesh.client")
 
@@ -146,10 +147,7 @@ class KvmeshClient:
             # cancels already queued go out before the producer closes (each is bounded)
             await asyncio.gather(*self._cancels, return_exceptions=True)
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_task(task, swallow_errors=True)
         self.router.close_all()
         consumer, self._consumer = self._consumer, None
         producer, self._producer = self._producer, None
@@ -320,7 +318,8 @@ class KvmeshClient:
 
         bound = self.publish_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(self._producer.send(topics.REQUESTS, message), bound)
+            async with asyncio.timeout(bound):
+                await self._producer.send(topics.REQUESTS, message)
         except (TimeoutError, OSError, PublishError):
             # the broker, not the record: a record refused by the codec says nothing about it
             self.publish_failures += 1
@@ -334,9 +333,8 @@ class KvmeshClient:
         from streams.admin import ensure_topics
 
         try:
-            await asyncio.wait_for(
-                ensure_topics(self.kafka, [topics.REQUESTS, self.reply_spec]), self.publish_timeout_s
-            )
+            async with asyncio.timeout(self.publish_timeout_s):
+                await ensure_topics(self.kafka, [topics.REQUESTS, self.reply_spec])
         except Exception as exc:  # timeout, OSError, aiokafka's errors while the broker is away
             log.info("broker probe failed: %s", exc)
             return False

@@ -136,7 +136,8 @@ class RequestHandle:
         """
         while True:
             try:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
+                async with asyncio.timeout(timeout):
+                    item = await self._queue.get()
             except TimeoutError:
                 raise RequestTimeout(f"no reply for request {self.request_id} in {timeout}s") from None
             if item is None:
@@ -150,7 +151,8 @@ class RequestHandle:
         """Wait for the Completion (chunks not read through :meth:`stream` are skipped)."""
         try:
             if not self._done.is_set():
-                await asyncio.wait_for(self._done.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._done.wait()
         except TimeoutError:
             raise RequestTimeout(f"no completion for request {self.request_id} in {timeout}s") from None
         if self._completion is None:

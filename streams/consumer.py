@@ -355,7 +355,8 @@ class TypedConsumer:
             batches = await call
         else:
             try:
-                batches = await asyncio.wait_for(call, timeout=timeout_ms / 1000 + rebalance_wait_s)
+                async with asyncio.timeout(timeout_ms / 1000 + rebalance_wait_s):
+                    batches = await call
             except TimeoutError:
                 return []
         m = self.metrics

@@ -8,7 +8,6 @@ fails (the broker is away) is logged and the next one tries again: a heartbeat t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Literal
 
@@ -16,6 +15,7 @@ from schemas.messages import ServiceHeartbeat
 from streams import topics
 from streams.clock import now_ms
 from streams.producer import TypedProducer
+from streams.tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,14 @@ class Heartbeat:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     async def _run(self) -> None:
         while True:
             beat = ServiceHeartbeat(self.service, self.instance_id, now_ms(), self.started_ms)
             try:
-                await asyncio.wait_for(self.producer.send(topics.HEARTBEATS, beat), self.interval_s * 5)
+                async with asyncio.timeout(self.interval_s * 5):
+                    await self.producer.send(topics.HEARTBEATS, beat)
                 self.sent += 1
             except asyncio.CancelledError:
                 raise

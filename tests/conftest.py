@@ -27,10 +27,13 @@ Tests that use these fixtures must be marked ``@pytest.mark.integration``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import sys
 import threading
+import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -44,6 +47,50 @@ from streams.embedded import (
     docker_available,
 )
 from streams.settings import KafkaSettings, RedisSettings
+
+# pytest-timeout (pyproject: 300 s, signal method) fails a slow test and goes on. Its SIGALRM lands in
+# whatever Python frame runs; inside an asyncio callback or a background task the event loop swallows
+# it, and a test stuck there would hold CI until its own deadline. This second, hard limit prints every
+# thread's stack (so the tail of a CI log shows where it hung) and ends the run.
+HARD_TIMEOUT_S = float(os.environ.get("KVMESH_TEST_HARD_TIMEOUT_S", "600"))
+
+
+def _hard_timeout(item: pytest.Item) -> None:
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:  # give stderr back to the terminal, or the dump goes to a capture file
+        capman.suspend_global_capture(in_=True)
+    out = [f"\n+++ {item.nodeid} still running after {HARD_TIMEOUT_S:.0f} s"]
+    main = threading.main_thread().ident
+    frames = sys._current_frames()
+    # the tasks last, after the threads: a CI log keeps only its tail
+    for ident in sorted(set(frames) - {threading.get_ident()}, key=lambda i: i == main):
+        out.append(f"--- thread {ident}{' (main)' if ident == main else ''}")
+        out.extend(line.rstrip() for line in traceback.format_stack(frames[ident])[-12:])
+    # a hung asyncio test sits in select(); what it waits for is in its tasks' stacks
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+    for loop in loops:
+        for task in asyncio.all_tasks(loop):
+            out.append(f"--- task {task.get_name()}: {task.get_coro()!r}")
+            out.extend(line.rstrip() for line in traceback.format_list(_task_frames(task)))
+    sys.stderr.write("\n".join(out) + "\n")
+    sys.stderr.flush()
+    os._exit(3)
+
+
+def _task_frames(task: asyncio.Task[Any]) -> traceback.StackSummary:
+    return traceback.StackSummary.extract((f, f.f_lineno) for f in task.get_stack(limit=12))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    timer = threading.Timer(HARD_TIMEOUT_S, _hard_timeout, args=(item,))
+    timer.daemon = True
+    if HARD_TIMEOUT_S > 0:
+        timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _run_in_thread(coro_factory: Any) -> Any:
@@ -60,7 +107,8 @@ def _run_in_thread(coro_factory: Any) -> Any:
         except BaseException as exc:  # re-raised on the fixture's thread
             result["error"] = exc
 
-    t = threading.Thread(target=target, name="conftest-setup")
+    # daemon: a setup stuck in the broker must not keep the interpreter alive after pytest gives up
+    t = threading.Thread(target=target, name="conftest-setup", daemon=True)
     t.start()
     t.join()
     if "error" in result:

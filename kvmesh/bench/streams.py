@@ -147,7 +147,8 @@ async def _throughput(client: _Client, n: int, bar: tqdm, cpu_us: list[float] | 
     for i in range(n):
         await client.send(i)
     await client.flush()
-    await asyncio.wait_for(reader, timeout=120)
+    async with asyncio.timeout(120):
+        await reader
     elapsed = time.perf_counter() - t0
     if cpu_us is not None:
         cpu_us.append((time.process_time() - c0) / n * 1e6)

@@ -9,7 +9,6 @@ intake's clock (a report seen within ``live_ms``); this is admission, not a rout
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from schemas.report_signing import ReportCheck
 from streams import topics
 from streams.consumer import TypedConsumer
 from streams.settings import KafkaSettings
+from streams.tasks import stop_task
 
 log = logging.getLogger("kvmesh.intake.capabilities")
 
@@ -104,10 +104,7 @@ class FeatureFeed:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_task(task, swallow_errors=True)
         consumer, self._consumer = self._consumer, None
         if consumer is not None:
             await consumer.stop()

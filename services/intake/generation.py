@@ -13,7 +13,6 @@ gone, timeout, a failed choice, shutdown) cancels every choice still running in 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from services.intake.errors import IntakeError, ServiceUnavailable, UpstreamFail
 from services.intake.replies import completion_error
 from services.intake.sampling_fields import Prepared
 from services.intake.service import IntakeService
+from streams.tasks import stop_tasks
 
 log = logging.getLogger("kvmesh.intake.generation")
 
@@ -166,7 +166,8 @@ class Job:
             try:
                 if remaining <= 0:
                     raise TimeoutError
-                i, item = await asyncio.wait_for(self._queue.get(), remaining)
+                async with asyncio.timeout(remaining):
+                    i, item = await self._queue.get()
             except TimeoutError:
                 raise UpstreamTimeout(
                     f"Request {self.request_id} did not complete within {self.deadline.seconds:g}s."
@@ -204,11 +205,7 @@ class Job:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            for t in self._tasks:
-                t.cancel()
-            for t in self._tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await stop_tasks(self._tasks, swallow_errors=True)
             for c in self.choices:
                 await _cancel(c.handle, reason)
 

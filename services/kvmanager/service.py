@@ -45,6 +45,7 @@ from streams.consumer import Record, TypedConsumer
 from streams.consumer_metrics import ConsumerCollector
 from streams.heartbeat import Heartbeat
 from streams.producer import TypedProducer
+from streams.tasks import stop_task
 from streams.topics import CONTROL, KV_EVENTS, LOAD, REQUESTS, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -191,10 +192,7 @@ class KvManagerService:
         if heartbeat is not None:
             await heartbeat.stop()
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         if self.redis is not None:
             with contextlib.suppress(*REDIS_DOWN_ERRORS):
                 await self._flush(force=True)

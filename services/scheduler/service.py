@@ -58,6 +58,7 @@ from streams.consumer import Record, TypedConsumer
 from streams.consumer_metrics import ConsumerCollector
 from streams.heartbeat import Heartbeat
 from streams.producer import TypedProducer
+from streams.tasks import stop_task
 from streams.topics import ASSIGNMENTS, BY_NAME, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -178,10 +179,7 @@ class SchedulerService:
             await self._heartbeat.stop()
             self._heartbeat = None
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         await self._close()
 
     async def __aenter__(self) -> SchedulerService:

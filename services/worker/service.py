@@ -64,6 +64,7 @@ from streams.clock import now_ms
 from streams.consumer import Record, TypedConsumer
 from streams.consumer_metrics import ConsumerCollector
 from streams.producer import TypedProducer, partition_for
+from streams.tasks import stop_tasks
 
 if TYPE_CHECKING:
     from kvmesh_core.costmodel import PerfProfile
@@ -280,11 +281,7 @@ class WorkerService:
             counts,
         )
         keyed = [t for t in self._tasks if t.get_name() in ("worker-assignments", "worker-control")]
-        for t in keyed:
-            t.cancel()
-        for t in keyed:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(keyed, swallow_errors=True)
         for c in (self._assignments, self._control):
             if c is not None:
                 with contextlib.suppress(Exception):
@@ -300,11 +297,7 @@ class WorkerService:
         if not self._started or self._stopping:
             return
         self._stopping = True
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(self._tasks, swallow_errors=True)
         # Requests still running get an error completion so no caller waits forever.
         for rid in list(self._running):
             await self._finish_error(rid, "worker shutting down")
@@ -317,7 +310,8 @@ class WorkerService:
                 await self._publish_load(force=True, draining=True)
 
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(farewell(), timeout=3.0)
+                async with asyncio.timeout(3.0):
+                    await farewell()
         for c in (self._assignments, self._control, self._fleet_state):
             if c is not None:
                 with contextlib.suppress(Exception):

@@ -69,7 +69,8 @@ async def test_max_in_flight_holds_a_submit_until_a_slot_frees(
         async with first:  # leaving the block before the Completion cancels the request
             pass
         assert (await echo_worker.wait_cancel(first.request_id)).reason == "client_disconnected"
-        handle = await asyncio.wait_for(second, 10)
+        async with asyncio.timeout(10):
+            handle = await second
         done = await handle.result(20)
         assert ByteTokenizer().decode(done.output_token_ids) == "echo:two"
         assert client.in_flight == 0

@@ -314,7 +314,8 @@ async def test_stream_disconnect_cancels_in_fleet(
         "state": {},
     }
     async with app.router.lifespan_context(app):
-        await asyncio.wait_for(app(scope, receive, send), 20)
+        async with asyncio.timeout(20):
+            await app(scope, receive, send)
         assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
         req = echo_worker.requests[-1]
         cancel = await echo_worker.wait_cancel(req.request_id)

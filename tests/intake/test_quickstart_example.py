@@ -33,7 +33,8 @@ async def test_the_quickstart_publishes_a_multi_turn_chat_and_streams_each_reply
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    async with asyncio.timeout(120):
+        out, err = await proc.communicate()
     text = out.decode()
     assert proc.returncode == 0, err.decode()[-2000:]
     # each reply streamed (the echo worker answers "echo:" + the last user message, 24 tokens at most)

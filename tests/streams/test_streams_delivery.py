@@ -115,7 +115,8 @@ async def test_redelivery_after_consumer_dies_before_commit(kafka_settings: Kafk
     first = TypedConsumer(kafka, [topics.REQUESTS], group_id="g-redeliver")
     await first.start()
     task = asyncio.create_task(first.run(dying_handler))
-    await asyncio.wait_for(blocked.wait(), timeout=12)
+    async with asyncio.timeout(12):
+        await blocked.wait()
     await stop_task(task)
     await first.stop()
     assert handled == [f"r{i}" for i in range(5)]
@@ -182,7 +183,8 @@ async def test_poison_and_failing_records_are_dead_lettered_and_loop_goes_on(
         await consumer.start()
         task = asyncio.create_task(consumer.run(handler))
         try:
-            await asyncio.wait_for(done.wait(), timeout=12)
+            async with asyncio.timeout(12):
+                await done.wait()
         finally:
             await stop_task(task)
             await consumer.stop()

@@ -73,7 +73,8 @@ async def test_manual_assignment_with_key_filter_reads_only_own_key(kafka_settin
             seen.append(record)
             stop.set()
 
-        await asyncio.wait_for(consumer.run(handler, stop), timeout=10)
+        async with asyncio.timeout(10):
+            await consumer.run(handler, stop)
         # ReplicateCommand is keyed by its target_worker (TopicSpec.key_overrides).
         assert [r.message.target_worker for r in seen] == ["w3"]
         assert consumer.assignment() == {("kvmesh.control", part)}

@@ -10,7 +10,6 @@ each; all run on the event loop thread, so the source is only ever touched from 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import warnings
@@ -42,6 +41,7 @@ from services.worker.transfer.metrics import TransferMetrics
 if TYPE_CHECKING:
     from services.worker.transfer.client import LinkFigures
 from streams.clock import now_ms
+from streams.tasks import stop_task, stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -132,19 +132,12 @@ class BlockServer:
     async def stop(self) -> None:
         """Close the listener and every open connection. Safe to call twice."""
         task, self._accept_task = self._accept_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         conns, self._conns = list(self._conns), set()
-        for t in conns:
-            t.cancel()
-        for t in conns:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(conns, swallow_errors=True)
         self._address = None
 
     def __del__(self) -> None:
@@ -193,7 +186,8 @@ class BlockServer:
 
     async def _handle(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
         try:
-            req = await asyncio.wait_for(self._read_request(loop, conn), REQUEST_TIMEOUT_S)
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                req = await self._read_request(loop, conn)
         except FrameError as exc:
             self.metrics.bad_frames += 1
             log.warning("bad data-plane request: %s", exc)

@@ -299,13 +299,15 @@ async def test_a_scheduler_cold_starts_from_the_replicas_slices(kafka_settings, 
                 await r.start()
 
             async def written() -> bool:
+                # both own shards (not sampled mid-rebalance, when neither does) and every slice is in
                 snap = await read_snapshot(client)
-                return snap.blocks == reference(rounds) and sum(
-                    snap.offsets.get(KV_EVENTS.name, {}).values()
-                ) == len(rounds)
+                return (
+                    all(r.shards.partitions() for r in replicas)
+                    and snap.blocks == reference(rounds)
+                    and sum(snap.offsets.get(KV_EVENTS.name, {}).values()) == len(rounds)
+                )
 
-            await wait_for(written, 60, "both replicas wrote their slices")
-            assert all(r.shards.partitions() for r in replicas)
+            await wait_for(written, 60, "both replicas own shards and wrote their slices")
             late = [stored(w, [50_000 + i], ms=now_ms()) for i, w in enumerate(WORKERS)]
             for ev in late:  # after the snapshot: the scheduler must read these from Kafka
                 await prod.send(KV_EVENTS, ev)

@@ -347,18 +347,30 @@ class SimWorker:
         """Plan ``job``'s prompt against the real caches; return the prefill iteration's length."""
         bs = self.real.block_size
         n_tok = len(job.request.token_ids)
-        promote, n = self._prefill_plan(job.request)
-        cached_tokens = n * bs
-        new_tokens = n_tok - cached_tokens
+        plan = self._prefill_plan(job.request)
+        n = plan[1]
         job.prompt_tokens = n_tok
         # As the live worker counts: fetched blocks are in the local prefix by now.
         job.fetched_tokens = min(n, job.fetched_blocks) * bs
         job.reused_tokens = n * bs - job.fetched_tokens
-        job.recomputed_tokens = new_tokens
-        job.prefill_ms = recompute_ms(self.real, new_tokens, cached_tokens) * self.truth.prefill_noise(
-            job.request.request_id
-        )
-        return promote + job.prefill_ms
+        job.recomputed_tokens = n_tok - n * bs
+        total, job.prefill_ms = self._prefill_cost(job.request, plan)
+        return total
+
+    def _prefill_cost(
+        self, request: ChatRequest, plan: tuple[float, int], fetched: int = 0
+    ) -> tuple[float, float]:
+        """The one price of a prefill iteration here, at the truth's speed and noise, given its
+        ``_prefill_plan`` and ``fetched`` blocks pulled past the local prefix (not landed yet: each
+        is promoted from DRAM at prefill): the iteration's length, and its recompute part alone."""
+        p = self.real
+        promote, n = plan
+        if fetched and p.dram_blocks > 0:
+            promote += promote_ms(p, "dram", fetched)
+        reused = (n + fetched) * p.block_size
+        rec = recompute_ms(p, len(request.token_ids) - reused, reused)
+        rec *= self.truth.prefill_noise(request.request_id)
+        return promote + rec, rec
 
     def _prefill_plan(self, request: ChatRequest) -> tuple[float, int]:
         """What a prefill of ``request`` would reuse from this worker's cache now: the time to promote
@@ -393,9 +405,9 @@ class SimWorker:
         t, batch = self._drain_ms(now_ms)
         carried = step if batch else 0.0  # its own iteration carries a step of a running batch
         n_tok = len(request.token_ids)
-        noise = self.truth.prefill_noise(request.request_id)
-        promote, n = self._prefill_plan(request)
-        own = promote + recompute_ms(p, n_tok - n * bs, n * bs) * noise
+        plan = self._prefill_plan(request)
+        n = plan[1]
+        own = self._prefill_cost(request, plan)[0]
         best = Probe(t + own + carried - now_ms, own, n)
         if source is None:
             return best
@@ -417,9 +429,7 @@ class SimWorker:
             begin = t + math.ceil((ready - t) / step) * step
         else:
             begin = ready
-        landed = promote_ms(p, "dram", k) if p.dram_blocks > 0 else 0.0  # promoted at prefill
-        reused = (n + k) * bs
-        own_f = promote + landed + recompute_ms(p, n_tok - reused, reused) * noise
+        own_f = self._prefill_cost(request, plan, fetched=k)[0]
         ttft = begin + own_f + carried - now_ms
         return Probe(ttft, own_f, n, k) if ttft < best.ttft_ms else best
 
@@ -436,10 +446,7 @@ class SimWorker:
                 t = self.busy_until
         batch = bool(self._decoding) or (self._prefilling is not None and now_ms < self.busy_until)
         for job in self._queue:
-            promote, n = self._prefill_plan(job.request)
-            cached = n * self.real.block_size
-            noise = self.truth.prefill_noise(job.request.request_id)
-            t += promote + recompute_ms(self.real, len(job.request.token_ids) - cached, cached) * noise
+            t += self._prefill_cost(job.request, self._prefill_plan(job.request))[0]
             t += self.real.decode_ms_per_step if batch else 0.0
             batch = True  # once a prompt is prefilled it decodes beside every later prefill
         return t, batch

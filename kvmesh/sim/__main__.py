@@ -34,6 +34,7 @@ from kvmesh.sim.oracle import ORACLE
 from kvmesh.sim.peer_goal import MAX_RATIO, MAX_RATIO_TRUTH_DRIFT, add_excess, peer_goal
 from kvmesh.sim.recorder import SimRecorder
 from kvmesh.sim.truth import TruthScale
+from kvmesh.sim.worker import ADMISSIONS
 from kvmesh.workloads import (
     MultiTurnSpec,
     SharedPrefixSpec,
@@ -89,8 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lag-ms", type=float, default=10.0, help="worker -> scheduler message lag")
     p.add_argument("--heartbeat-ms", type=float, default=2000.0)
     p.add_argument(
-        "--overlap-fetch", action="store_true", help="what-if: workers queue requests while pulling"
+        "--admission",
+        choices=ADMISSIONS,
+        default="serial",
+        help="how a worker admits assignments while a pull is on its link: serial (as the live worker: "
+        "after it lands), pass (what-if: later ones go ahead of the pulling request), overlap (what-if: "
+        "the pulling request is queued at once and skipped until its blocks land)",
     )
+    p.add_argument("--overlap-fetch", action="store_true", help="the same as --admission overlap")
     p.add_argument(
         "--lru-eviction",
         action="store_true",
@@ -225,7 +232,7 @@ def _run_policies(
             block_size=block_size,
             lag_ms=args.lag_ms,
             heartbeat_ms=args.heartbeat_ms,
-            overlap_fetch=args.overlap_fetch,
+            admission="overlap" if args.overlap_fetch else args.admission,
             fleet_aware_eviction=not args.lru_eviction,
             router=router,
             truth=args.truth_scale,
@@ -298,7 +305,7 @@ def _run_settings(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
         "profile": args.profile,
         "block_size": block_size,
         "lag_ms": args.lag_ms,
-        "overlap_fetch": args.overlap_fetch,
+        "admission": "overlap" if args.overlap_fetch else args.admission,
         "fleet_aware_eviction": not args.lru_eviction,
         "truth_scale": args.truth_scale.describe(),
     }

@@ -35,7 +35,7 @@ from kvmesh.sim.events import EventQueue
 from kvmesh.sim.metrics import RequestRecord, summarize
 from kvmesh.sim.oracle import ORACLE, oracle_policy
 from kvmesh.sim.truth import TruthScale
-from kvmesh.sim.worker import Job, SimWorker
+from kvmesh.sim.worker import Admission, Job, SimWorker
 from kvmesh_core.costmodel import PerfProfile
 from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.fairness import FairDispatcher
@@ -79,7 +79,9 @@ class SimConfig:
     lag_ms: float = 10.0
     heartbeat_ms: float = 2000.0
     retry_ms: float = 50.0
-    overlap_fetch: bool = False  # what-if: a worker queues a request while pulling its blocks
+    # how a worker admits assignments while a pull is on its link (kvmesh.sim.worker): "serial" as the
+    # live worker; "pass" and "overlap" are what-ifs
+    admission: Admission = "serial"
     # As live workers do: evict blocks other workers also hold first (kvmesh.sim.cache). False: LRU.
     fleet_aware_eviction: bool = True
     router: dict[str, Any] = field(default_factory=dict)
@@ -137,7 +139,7 @@ class Simulation:
                 self._emit,
                 self._schedule,
                 self.peers,
-                config.overlap_fetch,
+                config.admission,
                 fleet,
                 config.truth,
             )

@@ -17,8 +17,14 @@ the peer reads blocks held in its lower tiers, the link carries them, they land 
 without one) and the prefill promotes them. The worker serves what
 it really holds, not what the scheduler believed: a planned block the peer no longer has ends the pull
 there, and the prefill reuses the longest local prefix at the time it starts and recomputes the rest.
-With ``overlap_fetch`` the request joins the queue at once and is skipped until its pull lands (a
-what-if for a worker that overlaps pulls with queueing). After a prefill every full prompt block is
+How an assignment meets a pull in flight is ``admission``:
+
+- ``serial`` (the default, what the live worker does: it admits assignments one at a time and awaits
+  each one's pull): an assignment that arrives while a pull is on the link is admitted after it lands;
+- ``pass`` (what-if): the pulling request joins the queue when its blocks land, and assignments that
+  arrive meanwhile go ahead of it;
+- ``overlap`` (what-if, vLLM's WAITING_FOR_REMOTE_KVS): the request joins the queue at once and is
+  skipped until its pull lands. After a prefill every full prompt block is
 written to the GPU tier; cache changes go out as KvEvents, and a LoadReport after every iteration.
 """
 
@@ -28,7 +34,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -65,6 +71,9 @@ Emit = Callable[[object, float], None]
 #: How a worker asks the engine to call it back at a time: (time ms, worker, job (fetch done) or None
 #: (end of iteration; stale unless the worker's ``gen`` is unchanged)).
 Schedule = Callable[[float, "SimWorker", "Job | None"], None]
+# how an assignment meets a pull in flight (module docstring)
+Admission = Literal["serial", "pass", "overlap"]
+ADMISSIONS: tuple[str, ...] = get_args(Admission)
 
 
 #: A LoadReport's defaults for what a simulated worker has no facts of (model, engine, context).
@@ -102,7 +111,7 @@ class Job:
     prefill_ms: float = 0.0
     fetch_range: tuple[int, int] = (0, 0)  # blocks [lo, hi) pulled from peers before queueing
     fetched_blocks: int = 0
-    ready: bool = True  # False while its pull is in flight (overlap_fetch only)
+    ready: bool = True  # False while its pull is in flight (overlap admission only)
 
 
 class SimWorker:
@@ -122,7 +131,7 @@ class SimWorker:
         emit: Emit,
         schedule: Schedule,
         peers: dict[str, SimWorker],
-        overlap_fetch: bool = False,
+        admission: Admission = "serial",
         fleet: FleetHolders | None = None,
         truth: TruthScale | None = None,
     ) -> None:
@@ -157,8 +166,11 @@ class SimWorker:
         self._emit = emit
         self._schedule = schedule
         self._link_free = 0.0
-        # False: pull, then queue (the live worker today). True: queue at once, start when pulled.
-        self._overlap_fetch = overlap_fetch
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSIONS)}")
+        self._admission = admission  # see the module docstring
+        self._admit_free = 0.0  # serial: when the pull in flight lands
+        self._held: deque[Job] = deque()
         self._queue: deque[Job] = deque()
         self._decoding: list[Job] = []
         self._prefilling: Job | None = None
@@ -224,11 +236,18 @@ class SimWorker:
         job.queued_ctx = prefill_ctx(job.queued_tokens, len(job.request.token_ids) - job.queued_tokens)
         self._queued_tokens += job.queued_tokens
         self._queued_ctx += job.queued_ctx
+        if self._admission == "serial" and (self._held or now_ms < self._admit_free):
+            self._held.append(job)
+            return
+        self._admit(job, now_ms)
+
+    def _admit(self, job: Job, now_ms: float) -> None:
         if job.fetch:
             done = self._plan_fetch(job, now_ms)
             if done is not None:
+                self._admit_free = done
                 self._schedule(done, self, job)
-                if not self._overlap_fetch:
+                if self._admission != "overlap":
                     return
                 job.ready = False
         self._enqueue(job, now_ms)
@@ -283,6 +302,8 @@ class SimWorker:
         else:
             job.ready = True
             self._wake(now_ms)
+        while self._held and now_ms >= self._admit_free:
+            self._admit(self._held.popleft(), now_ms)
 
     def _enqueue(self, job: Job, now_ms: float) -> None:
         self._queue.append(job)

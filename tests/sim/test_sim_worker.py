@@ -7,7 +7,7 @@ import dataclasses
 import msgspec
 import pytest
 
-from kvmesh.sim.worker import SimWorker
+from kvmesh.sim.worker import ADMISSIONS, Admission, SimWorker
 from kvmesh_core.costmodel import PROFILES, recompute_ms
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent
 
@@ -16,12 +16,12 @@ PROFILE = dataclasses.replace(PROFILES["h100-llama3-8b"], gpu_blocks=64, dram_bl
 
 
 class _Harness:
-    def __init__(self, overlap_fetch: bool = False) -> None:
+    def __init__(self, admission: Admission = "serial") -> None:
         self.sent: list[tuple[object, float]] = []
         self.calls: list[tuple[float, SimWorker, object]] = []
         self.peers: dict[str, SimWorker] = {}
         for i in range(2):
-            w = SimWorker(i, f"w{i}", PROFILE, self._emit, self._schedule, self.peers, overlap_fetch)
+            w = SimWorker(i, f"w{i}", PROFILE, self._emit, self._schedule, self.peers, admission)
             self.peers[w.worker_id] = w
 
     def _emit(self, msg: object, t: float) -> None:
@@ -53,9 +53,9 @@ def _assign(req: ChatRequest, worker: str, fetch: list[FetchPlan]) -> Assignment
     return Assignment(req, worker, 0, len(req.token_ids), Estimate(0, 0, 0, 0, "kvmesh"), fetch)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_fetch_stops_at_first_block_the_peer_lacks(overlap: bool) -> None:
-    h = _Harness(overlap)
+@pytest.mark.parametrize("admission", ADMISSIONS)
+def test_fetch_stops_at_first_block_the_peer_lacks(admission: Admission) -> None:
+    h = _Harness(admission)
     w0, w1 = h.peers["w0"], h.peers["w1"]
     req = _request(8, "r1")
     # w1 holds only the first 5 blocks of the prompt
@@ -114,3 +114,28 @@ def test_fetch_reads_peer_lower_tiers_lands_in_dram_and_is_promoted_at_prefill()
     assert first_token == pytest.approx(
         t_done + promote_ms(tiered, "dram", 6) + recompute_ms(tiered, 1, 6 * BS)
     )
+
+
+@pytest.mark.parametrize(("admission", "first"), [("serial", "pulled"), ("pass", "local")])
+def test_an_assignment_that_arrives_during_a_pull_waits_for_it_only_under_serial_admission(
+    admission: Admission, first: str
+) -> None:
+    """The live worker admits assignments one at a time and awaits each pull, so one that arrives
+    while a pull is on the link starts after the pulled request ("serial"); "pass" lets it go first."""
+    h = _Harness(admission)
+    w0, w1 = h.peers["w0"], h.peers["w1"]
+    pulled = _request(8, "pulled")
+    w1.cache.access(pulled.block_hashes, [0, *pulled.block_hashes[:-1]])
+    w0.assign(_assign(pulled, "w0", [FetchPlan("w1", w1.address, pulled.block_hashes, 0)]), 0.0, 0.0)
+    ((landed_ms, _, _),) = h.calls
+    local = msgspec.structs.replace(_request(2, "local"), block_hashes=[101, 102])
+    w0.assign(_assign(local, "w0", []), 0.01, 0.01)
+    assert landed_ms > 0.01
+    h.run()
+    by_id = {c.request_id: t for c, t in h.sent if isinstance(c, Completion)}
+    assert set(by_id) == {"pulled", "local"}
+    ttft = {r.arrival_ms: r.first_token_ms for r in w0.finished}
+    order = sorted(ttft, key=lambda a: ttft[a])
+    assert order[0] == (0.0 if first == "pulled" else 0.01)
+    if first == "pulled":
+        assert ttft[0.01] > landed_ms  # admitted only once the pull landed

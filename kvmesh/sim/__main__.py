@@ -232,7 +232,7 @@ def _run_policies(
             block_size=block_size,
             lag_ms=args.lag_ms,
             heartbeat_ms=args.heartbeat_ms,
-            admission="overlap" if args.overlap_fetch else args.admission,
+            admission=args.admission,
             fleet_aware_eviction=not args.lru_eviction,
             router=router,
             truth=args.truth_scale,
@@ -258,6 +258,8 @@ def _run_policies(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.overlap_fetch:
+        args.admission = "overlap"
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -305,7 +307,7 @@ def _run_settings(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
         "profile": args.profile,
         "block_size": block_size,
         "lag_ms": args.lag_ms,
-        "admission": "overlap" if args.overlap_fetch else args.admission,
+        "admission": args.admission,
         "fleet_aware_eviction": not args.lru_eviction,
         "truth_scale": args.truth_scale.describe(),
     }

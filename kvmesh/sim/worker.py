@@ -169,7 +169,8 @@ class SimWorker:
         if admission not in ADMISSIONS:
             raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSIONS)}")
         self._admission = admission  # see the module docstring
-        self._admit_free = 0.0  # serial: when the pull in flight lands
+        # serial: assignments that came while a pull was on the link (pulls never overlap there, so
+        # ``_link_free`` is when the one in flight lands)
         self._held: deque[Job] = deque()
         self._queue: deque[Job] = deque()
         self._decoding: list[Job] = []
@@ -236,7 +237,7 @@ class SimWorker:
         job.queued_ctx = prefill_ctx(job.queued_tokens, len(job.request.token_ids) - job.queued_tokens)
         self._queued_tokens += job.queued_tokens
         self._queued_ctx += job.queued_ctx
-        if self._admission == "serial" and (self._held or now_ms < self._admit_free):
+        if self._admission == "serial" and (self._held or now_ms < self._link_free):
             self._held.append(job)
             return
         self._admit(job, now_ms)
@@ -245,7 +246,6 @@ class SimWorker:
         if job.fetch:
             done = self._plan_fetch(job, now_ms)
             if done is not None:
-                self._admit_free = done
                 self._schedule(done, self, job)
                 if self._admission != "overlap":
                     return
@@ -302,7 +302,7 @@ class SimWorker:
         else:
             job.ready = True
             self._wake(now_ms)
-        while self._held and now_ms >= self._admit_free:
+        while self._held and now_ms >= self._link_free:
             self._admit(self._held.popleft(), now_ms)
 
     def _enqueue(self, job: Job, now_ms: float) -> None:

@@ -29,6 +29,7 @@ from streams import topics
 from streams.consumer import Record, TypedConsumer
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings
+from streams.tasks import stop_task
 
 API_KEYS = "sk-alpha-0123456789:tenantA,sk-bravo-9876543210:tenantB"
 KEY_A = "sk-alpha-0123456789"
@@ -56,10 +57,7 @@ class EchoWorker:
         self._task = asyncio.create_task(self._consumer.run(self._handle))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await stop_task(self._task, swallow_errors=True)
         await self._consumer.stop()
         await self._producer.stop()
 

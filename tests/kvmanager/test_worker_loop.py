@@ -5,7 +5,6 @@ re-announces what it holds."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from streams.clock import now_ms
 from streams.consumer import TypedConsumer
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings, RedisSettings
+from streams.tasks import stop_task
 
 pytestmark = pytest.mark.integration
 
@@ -86,10 +86,7 @@ class Stack:
         return all(worker in self.manager.directory.holders(h) for h in hashes)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         await self.replies.stop()
         await self.producer.stop()
         for w in self.workers.values():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 
 import pytest
@@ -23,6 +22,7 @@ from streams.consumer import (
 )
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings
+from streams.tasks import stop_task
 
 pytestmark = pytest.mark.integration
 
@@ -38,12 +38,6 @@ async def wait_until(cond, timeout_s: float = 30.0) -> None:  # type: ignore[no-
         if loop.time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.05)
-
-
-async def stop_task(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 async def test_group_rebalance_second_member_takes_partitions_nothing_lost(

@@ -4,7 +4,6 @@ eviction fed from kv-events, and a ReplicateCommand pulling blocks over the data
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from streams import topics
 from streams.consumer import TypedConsumer
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings
+from streams.tasks import stop_task
 
 pytestmark = pytest.mark.integration
 
@@ -70,10 +70,7 @@ class Fleet:
         return {h for e in self.kv_events if e.worker_id == worker and e.kind == kind for h in e.block_hashes}
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         await self.reader.stop()
         await self.producer.stop()
         for w in self.workers.values():

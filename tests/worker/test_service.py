@@ -4,7 +4,6 @@ KV blocks fetched from a peer worker over the data plane (two workers in one tes
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -21,6 +20,7 @@ from streams.clock import now_ms
 from streams.consumer import TypedConsumer
 from streams.producer import TypedProducer
 from streams.settings import KafkaSettings
+from streams.tasks import stop_task
 
 pytestmark = pytest.mark.integration
 
@@ -97,10 +97,7 @@ class Fleet:
         return self.completions[a.request.request_id]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         await self.replies.stop()
         await self.producer.stop()
         for w in self.workers.values():

@@ -108,6 +108,12 @@ class WorkerService:
         self._tasks: list[asyncio.Task[None]] = []
         self._inbox: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
         self._running: dict[str, RunningRequest] = {}
+        # Taken on but not yet in the engine (waiting to be admitted, pulling, or in the inbox), by
+        # request id. Admission runs in its own task, one assignment at a time as before, so the
+        # assignment reader stays free: a CancelRequest for one of these (or one queued behind a pull)
+        # is answered at once rather than after the pull, and a stop fails them instead of losing them.
+        self._pending: dict[str, RunningRequest] = {}
+        self._admissions: asyncio.Queue[Assignment] = asyncio.Queue()
         # Request ids this worker has taken on (running or done), newest last: an Assignment for one
         # of them (decided again after a rebalance, or by a second replica) is not run twice.
         self._admitted: OrderedDict[str, None] = OrderedDict()
@@ -216,6 +222,7 @@ class WorkerService:
         self._tasks = [
             *self._keyed_tasks(),
             asyncio.create_task(self._fleet_state.run(self._on_fleet_record), name="worker-fleet-state"),
+            asyncio.create_task(self._admission_loop(), name="worker-admission"),
             asyncio.create_task(self._engine_loop(), name="worker-engine"),
             asyncio.create_task(self._load_loop(), name="worker-load"),
         ]
@@ -298,9 +305,10 @@ class WorkerService:
             return
         self._stopping = True
         await stop_tasks(self._tasks, swallow_errors=True)
-        # Requests still running get an error completion so no caller waits forever.
-        for rid in list(self._running):
+        # Requests still running or not yet started get an error completion so no caller waits forever.
+        for rid in [*self._running, *self._pending]:
             await self._finish_error(rid, "worker shutting down")
+        self._admissions = asyncio.Queue()
         if self.engine is not None and self._producer is not None:
             # Graceful shutdown: tell the fleet our blocks are gone (bounded: if the broker is already
             # gone, the KV manager's liveness check drops our blocks instead).
@@ -361,9 +369,19 @@ class WorkerService:
             if len(self._admitted) > ADMITTED_IDS_KEPT:
                 self._admitted.popitem(last=False)
             self.metrics.assignments.labels("accepted").inc()
-            await self._admit(msg)
+            self._pending[rid] = RunningRequest(
+                request=msg.request, started=time.perf_counter(), expected_blocks=msg.reuse_blocks
+            )
+            self._admissions.put_nowait(msg)
         elif isinstance(msg, CancelRequest):
-            await self._inbox.put(("cancel", msg))
+            entry = self._pending.pop(msg.request_id, None)
+            if entry is not None:
+                # Not in the engine yet: answer now; admission skips it (a pull in flight still lands:
+                # its blocks are good cache, and aborting it half-way gains nothing).
+                self.metrics.requests.labels("cancelled").inc()
+                await self._send_completion(entry.request, finish_reason="cancelled", entry=entry)
+            else:
+                await self._inbox.put(("cancel", msg))
 
     async def _on_control_record(self, record: Record) -> None:
         msg = record.message
@@ -395,14 +413,27 @@ class WorkerService:
             # The fleet forgot that worker's blocks; so do we (it re-announces them if it is alive).
             self.fleet.worker_lost(msg.worker_id, msg.declared_ms)
 
-    async def _admit(self, a: Assignment) -> None:
+    async def _admission_loop(self) -> None:
+        """Admit assignments in arrival order, each after its pull: one that arrives during a pull
+        waits for it, which is the rule the simulator prices (``kvmesh.sim.worker``, ``serial``)."""
+        while True:
+            a = await self._admissions.get()
+            entry = self._pending.get(a.request.request_id)
+            if entry is None:  # cancelled (and answered) while it waited
+                continue
+            try:
+                await self._admit(a, entry)
+            except Exception as e:  # one bad admission must not stall every request queued behind it
+                log.exception("request %s: admission failed", a.request.request_id)
+                await self._finish_error(a.request.request_id, f"admission failed: {e}")
+
+    async def _admit(self, a: Assignment, entry: RunningRequest) -> None:
         req = a.request
-        started = time.perf_counter()
         if req.deadline_ms is not None and now_ms() > req.deadline_ms:
+            self._pending.pop(req.request_id, None)
             self.metrics.requests.labels("rejected").inc()
             await self._send_completion(req, finish_reason="rejected", error="deadline passed before start")
             return
-        entry = RunningRequest(request=req, started=started, expected_blocks=a.reuse_blocks)
         # Fetch planned blocks before prefill, but only those that extend what we already have:
         # a chained block is useless after a gap.
         sink = self.engine.block_sink()
@@ -445,6 +476,8 @@ class WorkerService:
                     entry = item
                     assert isinstance(entry, RunningRequest)
                     req = entry.request
+                    if self._pending.pop(req.request_id, None) is None:
+                        continue  # cancelled after its pull, and already answered
                     try:
                         self.engine.add_request(
                             EngineRequest(
@@ -550,7 +583,7 @@ class WorkerService:
         await self._producer.send(_reply_spec(req.reply_topic), c)
 
     async def _finish_error(self, request_id: str, error: str) -> None:
-        entry = self._running.pop(request_id, None)
+        entry = self._running.pop(request_id, None) or self._pending.pop(request_id, None)
         if entry is not None and self._producer is not None:
             with contextlib.suppress(Exception):
                 await self._send_completion(entry.request, finish_reason="error", entry=entry, error=error)

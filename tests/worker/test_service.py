@@ -12,7 +12,16 @@ import pytest
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.chat_requests import chat_request
-from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent, LoadReport
+from schemas.messages import (
+    Assignment,
+    CancelRequest,
+    ChatRequest,
+    Completion,
+    Estimate,
+    FetchPlan,
+    KvEvent,
+    LoadReport,
+)
 from services.worker.config import WorkerSettings
 from services.worker.service import WorkerService
 from streams import topics
@@ -67,18 +76,7 @@ class Fleet:
 
     async def start(self, ids: list[str]) -> None:
         for wid in ids:
-            s = WorkerSettings(
-                worker_id=wid,
-                insecure_dev_transfer=True,
-                calibrate=False,
-                gpu_blocks=256,
-                dram_blocks=256,
-                load_interval_ms=200,
-                kafka=self.kafka,
-            )
-            w = WorkerService(s)
-            await w.start()
-            self.workers[wid] = w
+            await self.add_worker(wid)
         await self.producer.start()
         await self.replies.start()
 
@@ -89,12 +87,31 @@ class Fleet:
 
         self._task = asyncio.create_task(self.replies.run(on_reply))
 
+    async def add_worker(self, wid: str, **overrides: object) -> WorkerService:
+        s = WorkerSettings(
+            worker_id=wid,
+            insecure_dev_transfer=True,
+            calibrate=False,
+            gpu_blocks=256,
+            dram_blocks=256,
+            load_interval_ms=200,
+            kafka=self.kafka,
+            **overrides,  # type: ignore[arg-type]
+        )
+        w = WorkerService(s)
+        await w.start()
+        self.workers[wid] = w
+        return w
+
+    async def completion(self, rid: str, timeout: float = 60.0) -> Completion:
+        async with asyncio.timeout(timeout):
+            while rid not in self.completions:
+                await asyncio.sleep(0.05)
+        return self.completions[rid]
+
     async def run(self, a: Assignment, timeout: float = 60.0) -> Completion:
         await self.producer.send(topics.ASSIGNMENTS, a)
-        async with asyncio.timeout(timeout):
-            while a.request.request_id not in self.completions:
-                await asyncio.sleep(0.05)
-        return self.completions[a.request.request_id]
+        return await self.completion(a.request.request_id, timeout)
 
     async def stop(self) -> None:
         await stop_task(self._task)
@@ -112,6 +129,45 @@ async def fleet(kafka_settings: KafkaSettings) -> AsyncIterator[Fleet]:
         yield f
     finally:
         await f.stop()
+
+
+class StalledPeer:
+    """A data-plane peer that takes a pull request and sends nothing until ``release()``."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self._release = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self.address = ""
+
+    async def __aenter__(self) -> StalledPeer:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1)
+            self.asked.set()
+            await self._release.wait()
+            writer.close()
+
+        self._server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    def release(self) -> None:
+        self._release.set()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+
+def _stalled_plan(peer: StalledPeer, tokens: list[int]) -> FetchPlan:
+    return FetchPlan(
+        peer_worker="worker-stalled",
+        peer_address=peer.address,
+        block_hashes=block_hashes(tokens, 16, NS),
+        first_block=0,
+    )
 
 
 def _turn1() -> list[int]:
@@ -303,3 +359,80 @@ async def test_a_resync_request_replaces_the_fleets_view_with_numbered_events(fl
         await consumer.stop()
     seqs = [e.seq for e in seen]
     assert seqs == list(range(1, len(seqs) + 1)) and {e.epoch for e in seen} == {worker._started_ms}
+
+
+async def test_a_cancel_is_answered_during_a_stalled_pull_and_the_queue_behind_it_still_runs(
+    fleet: Fleet,
+) -> None:
+    # A long fetch timeout: the peer is released by the test, never by the client giving up, so the
+    # cancel is known to have been answered while the pull was still in flight.
+    await fleet.add_worker("worker-c", fetch_timeout_s=120.0)
+    p1 = _turn1()
+    async with StalledPeer() as peer:
+        await fleet.producer.send(
+            topics.ASSIGNMENTS, _assign(_request("pulling", p1), "worker-c", fetch=[_stalled_plan(peer, p1)])
+        )
+        async with asyncio.timeout(30):
+            await peer.asked.wait()
+        await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", p1), "worker-c"))
+        await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("dropped", p1), "worker-c"))
+        for rid in ("pulling", "dropped"):
+            await fleet.producer.send(
+                topics.ASSIGNMENTS, CancelRequest(request_id=rid, session_id="sess-1"), key="worker-c"
+            )
+        cancelled = await fleet.completion("pulling")
+        dropped = await fleet.completion("dropped")
+        # Both answered while the peer still holds the pull open; neither produced a token.
+        assert not peer._release.is_set()
+        assert cancelled.finish_reason == "cancelled" and cancelled.output_token_ids == []
+        assert dropped.finish_reason == "cancelled" and dropped.output_token_ids == []
+        assert "behind" not in fleet.completions  # admission is serial: it waits for the pull
+        peer.release()
+        behind = await fleet.completion("behind")
+    assert behind.finish_reason in ("stop", "length") and behind.output_token_ids
+    await asyncio.sleep(0.5)  # the cancelled pull's request must not be run after its pull ends
+    worker = fleet.workers["worker-c"]
+    assert not worker._running and not worker._pending
+    assert fleet.completions["pulling"].finish_reason == "cancelled"
+
+
+async def test_stopping_during_a_stalled_pull_answers_every_request_not_yet_started(fleet: Fleet) -> None:
+    worker = await fleet.add_worker("worker-c", fetch_timeout_s=120.0)
+    p1 = _turn1()
+    async with StalledPeer() as peer:
+        await fleet.producer.send(
+            topics.ASSIGNMENTS, _assign(_request("pulling", p1), "worker-c", fetch=[_stalled_plan(peer, p1)])
+        )
+        async with asyncio.timeout(30):
+            await peer.asked.wait()
+        await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", p1), "worker-c"))
+        async with asyncio.timeout(30):
+            while "behind" not in worker._pending:
+                await asyncio.sleep(0.05)
+        await worker.stop()
+        for rid in ("pulling", "behind"):
+            c = await fleet.completion(rid)
+            assert c.finish_reason == "error" and c.error == "worker shutting down"
+
+
+async def test_an_admission_that_fails_is_answered_and_the_queue_behind_it_still_runs(fleet: Fleet) -> None:
+    worker = fleet.workers["worker-a"]
+    real_sink = worker.engine.block_sink
+    calls = 0
+
+    def failing_once():  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("sink unavailable")
+        return real_sink()
+
+    worker.engine.block_sink = failing_once  # type: ignore[method-assign]
+    p1 = _turn1()
+    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("broken", p1), "worker-a"))
+    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("after", p1), "worker-a"))
+    broken = await fleet.completion("broken")
+    after = await fleet.completion("after")
+    assert broken.finish_reason == "error" and "sink unavailable" in (broken.error or "")
+    assert after.finish_reason in ("stop", "length") and after.output_token_ids
+    assert not worker._pending

@@ -228,6 +228,27 @@ PROFILES: dict[str, PerfProfile] = {
         dram_blocks=300000,
         disk_blocks=1000000,
     ),
+    # NVIDIA Dynamo's mocker engine with its defaults (ai-dynamo/dynamo lib/mocker/src/common/perf_model.rs
+    # and protocols.rs), so `kvmesh simulate` can be set beside `python -m dynamo.replay` on the same
+    # trace. The mocker prices a prefill pass at 16.5 ms + 0.0152 ms per new token + 4.2e-7 ms per new
+    # token squared, in chunks of at most 8,192 tokens (max_num_batched_tokens): about 0.0206 ms per
+    # token, with no charge for the cached context. Its decode step, -25.74 u^2 + 54.01 u + 5.74 ms at
+    # KV utilization u, is about 12 ms at the u of a Mooncake fleet. 16,384 GPU blocks of 64 tokens,
+    # no lower tiers; the link is the H100 profile's (the mocker's aggregated workers move no KV).
+    "dynamo-mocker": PerfProfile(
+        prefill_ms_per_token=0.0206,
+        prefill_ms_per_token_per_ctx=0.0,
+        decode_ms_per_step=12.0,
+        link_gbps=25.0,
+        link_latency_ms=0.5,
+        block_bytes=64 * _kv_bytes_per_token(32, 8, 128, 2),
+        block_size=64,
+        dram_gbps=25.0,
+        disk_gbps=5.0,
+        gpu_blocks=16384,
+        dram_blocks=0,
+        disk_blocks=0,
+    ),
     # The tiny seeded model of the test suite on a 2-core CPU; `kvmesh bench worker` measures the real one.
     "cpu-tiny": PerfProfile(
         prefill_ms_per_token=0.05,

@@ -11,10 +11,10 @@ Every policy returns scored candidates, the chosen one first. Scores come from o
          + recompute           (every token after the reused/fetched blocks)
 
 ``kvmesh`` picks the least ttft plus the work it adds to the fleet (below), ties by the active tokens
-of the worker's report, then id. Baselines: ``round_robin``, ``least_loaded``, ``session_affinity``
-(sticky per session) and ``prefix_aware`` (most cached blocks, ties by load); they never plan peer
-fetches. The peers' routers are in :mod:`services.scheduler.peer_policies`, every policy by name in
-:mod:`services.scheduler.registry`.
+of the worker's report, then by the oldest last assignment, then id. Baselines: ``round_robin``,
+``least_loaded``, ``session_affinity`` (sticky per session) and ``prefix_aware`` (most cached blocks,
+ties by load); they never plan peer fetches. The peers' routers are in
+:mod:`services.scheduler.peer_policies`, every policy by name in :mod:`services.scheduler.registry`.
 
 Because the queue estimate includes pending work, an overloaded fleet does not recompute a shared
 prefix everywhere: moving a request off a busy holder only wins when the saved wait exceeds the
@@ -112,11 +112,18 @@ def least_prefill_ms(view: FleetView, req: ChatRequest, now_ms: int) -> float:
 
 
 def least_loaded_workers(view: FleetView, live: list[str], k: int, now_ms: int) -> list[str]:
-    """The ``k`` live workers with the least estimated queue wait (ties by active tokens, then id)."""
+    """The ``k`` live workers with the least estimated queue wait (ties by active tokens, then the
+    oldest last assignment, then id)."""
     if len(live) <= k:
         workers = view.workers
         return sorted(
-            live, key=lambda w: (view.queue_ms(workers[w], now_ms), workers[w].report.active_tokens, w)
+            live,
+            key=lambda w: (
+                view.queue_ms(workers[w], now_ms),
+                workers[w].report.active_tokens,
+                workers[w].last_assign_ms,
+                w,
+            ),
         )
     # the view keeps workers ranked by a running load key (pending decay not applied): walking its
     # head costs O(k) instead of one Python call per worker. The picks are then scored exactly.
@@ -234,8 +241,15 @@ def kvmesh(
         return c.ttft_ms + behind * (c.work_ms - least_work)
 
     # equal estimates (common: idle or one decode step, nothing cached) go to the smaller decode
-    # batch, which frees up sooner, rather than always to the lowest id
-    out.sort(key=lambda c: (cost(c), workers[c.worker_id].report.active_tokens, c.worker_id))
+    # batch, which frees up sooner, then to the worker assigned to longest ago (view.WorkerState)
+    out.sort(
+        key=lambda c: (
+            cost(c),
+            workers[c.worker_id].report.active_tokens,
+            workers[c.worker_id].last_assign_ms,
+            c.worker_id,
+        )
+    )
     return out
 
 

@@ -109,10 +109,47 @@ def test_pending_clears_when_report_catches_up_or_decays() -> None:
     assert view.queue_ms(view.workers["w-0"], 1000) > 0
     view.apply_load(load("w-0", 1001))  # the worker's report now covers the assignment
     assert view.queue_ms(view.workers["w-0"], 1001) == 0
+    # No report covers it: it counts until the worker could have done it, plus pending_decay_ms.
     view2 = fleet(2)
-    Router(view2, RouterSettings()).decide(request("a", prompt(200, 1)), 1000)
-    assert view2.queue_ms(view2.workers["w-0"], 1000 + 1999) > 0
-    assert view2.queue_ms(view2.workers["w-0"], 1000 + 2000) == 0  # pending_decay_ms
+    a2 = Router(view2, RouterSettings()).decide(request("a", prompt(200, 1)), 1000).assignment
+    assert a2 is not None
+    cost = view2.queue_ms(view2.workers["w-0"], 1000)
+    assert cost > 0
+    assert view2.queue_ms(view2.workers["w-0"], 1000 + 1999 + int(cost)) > 0
+    assert view2.queue_ms(view2.workers["w-0"], 1000 + 2001 + int(cost)) == 0
+
+
+def test_a_long_prefill_stays_counted_while_it_can_still_be_running() -> None:
+    # A prompt of many seconds of prefill, and no report after it (a lost report, or a worker that
+    # reports between iterations): 2 s later the worker is still busy with it, so the next request
+    # must not be priced as if the worker were idle.
+    view = fleet(2)
+    router = Router(view, RouterSettings())
+    long = router.decide(request("long", prompt(20_000, 7)), 1000).assignment
+    assert long is not None
+    wait = view.queue_ms(view.workers[long.worker_id], 1000)
+    assert wait > 2_500  # it costs more than the decay: the old fixed-age rule forgot it at 3,000
+    assert view.queue_ms(view.workers[long.worker_id], 3_500) == wait
+    nxt = router.decide(request("next", prompt(200, 8)), 3_500).assignment
+    assert nxt is not None and nxt.worker_id != long.worker_id
+    # entries behind it never expire before it: a worker's work runs in order
+    pending = view.workers[long.worker_id].pending
+    assert all(x.until_ms <= y.until_ms for x, y in zip(pending, list(pending)[1:], strict=False))
+
+
+def test_equal_candidates_rotate_over_an_idle_fleet_instead_of_piling_on_the_lowest_id() -> None:
+    view = fleet(4)
+    router = Router(view, RouterSettings())
+    picked = []
+    for i in range(8):
+        t = 1000 + 100 * i
+        a = router.decide(request(f"r{i}", prompt(200, 100 + i)), t).assignment
+        assert a is not None
+        picked.append(a.worker_id)
+        # every worker reports idle again before the next request: all four look the same
+        for w in view.workers:
+            view.apply_load(load(w, t + 50))
+    assert picked == ["w-0", "w-1", "w-2", "w-3"] * 2
 
 
 def test_kvmesh_plans_fetch_from_busy_holder_when_fetch_beats_recompute() -> None:

@@ -47,7 +47,11 @@ def test_ranking_and_pending_match_a_recount(ops: list[tuple[str, int, int]]) ->
         assert view.load_key[ws.worker_id] == ws.base_queue_ms + ws.pending_total_ms
     assert set(view.load_key) == set(view.workers)
     live = view.live_workers(t)
-    expect = sorted(live, key=lambda w: (view.load_key[w], w))
+    workers = view.workers
+    expect = sorted(
+        live,
+        key=lambda w: (view.load_key[w], workers[w].report.active_tokens, workers[w].last_assign_ms, w),
+    )
     assert view.least_loaded(3, live) == expect[:3]
 
 

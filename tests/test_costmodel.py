@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvmesh_core.costmodel import PROFILES, fetch_beats_recompute, fetch_ms, promote_ms, transfer_ms
+from kvmesh_core.costmodel import (
+    PROFILES,
+    fetch_beats_recompute,
+    fetch_ms,
+    promote_ms,
+    recompute_ms,
+    transfer_ms,
+)
 
 H100 = PROFILES["h100-llama3-8b"]
 
@@ -36,3 +43,26 @@ def test_fetch_beats_recompute_includes_the_landing_promotion() -> None:
     slow_landing = dataclasses.replace(H100, dram_gbps=1.0)
     assert fetch_beats_recompute(dataclasses.replace(slow_landing, dram_blocks=0), 1, 0)
     assert not fetch_beats_recompute(slow_landing, 1, 0)
+
+
+def _dynamo_mocker_prefill_ms(new_tokens: int, chunk: int = 8192) -> float:
+    """Dynamo's mocker (lib/mocker/src/common/perf_model.rs, defaults): one pass per chunk of at most
+    max_num_batched_tokens new tokens, each 16.5 ms + 0.0152 ms per token + 4.2e-7 ms per token^2."""
+    total = 0.0
+    left = new_tokens
+    while left > 0:
+        t = min(left, chunk)
+        total += 4.209989e-07 * t * t + 1.518344e-02 * t + 1.650142e01
+        left -= t
+    return total
+
+
+def test_the_dynamo_mocker_profile_prices_long_prompts_as_the_mocker_does() -> None:
+    p = PROFILES["dynamo-mocker"]
+    assert (p.block_size, p.gpu_blocks, p.dram_blocks, p.disk_blocks) == (64, 16384, 0, 0)
+    for n in (8192, 16384, 50_000, 128_000):
+        ours = recompute_ms(p, n)
+        theirs = _dynamo_mocker_prefill_ms(n)
+        assert abs(ours - theirs) / theirs < 0.05, (n, ours, theirs)
+    # the mocker charges nothing for the cached context: neither does the profile
+    assert recompute_ms(p, 1000, 50_000) == recompute_ms(p, 1000)

@@ -34,6 +34,7 @@ class SchedulerSettings(ShellSettings):
     quantum_tokens: int = 4096
 
     # Fleet view (ViewSettings).
+    # An assignment no report covers yet stops counting this long after its worker could have done it.
     pending_decay_ms: int = 2000
     worker_timeout_ms: int = 10_000
     inflight_timeout_ms: int = 600_000

@@ -361,6 +361,17 @@ async def test_a_resync_request_replaces_the_fleets_view_with_numbered_events(fl
     assert seqs == list(range(1, len(seqs) + 1)) and {e.epoch for e in seen} == {worker._started_ms}
 
 
+async def _pull_then_queue_behind(fleet: Fleet, peer: StalledPeer, tokens: list[int]) -> None:
+    """On worker-c: "pulling" starts a pull the peer holds open, then "behind" is assigned after it."""
+    await fleet.producer.send(
+        topics.ASSIGNMENTS,
+        _assign(_request("pulling", tokens), "worker-c", fetch=[_stalled_plan(peer, tokens)]),
+    )
+    async with asyncio.timeout(30):
+        await peer.asked.wait()
+    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", tokens), "worker-c"))
+
+
 async def test_a_cancel_is_answered_during_a_stalled_pull_and_the_queue_behind_it_still_runs(
     fleet: Fleet,
 ) -> None:
@@ -369,12 +380,7 @@ async def test_a_cancel_is_answered_during_a_stalled_pull_and_the_queue_behind_i
     await fleet.add_worker("worker-c", fetch_timeout_s=120.0)
     p1 = _turn1()
     async with StalledPeer() as peer:
-        await fleet.producer.send(
-            topics.ASSIGNMENTS, _assign(_request("pulling", p1), "worker-c", fetch=[_stalled_plan(peer, p1)])
-        )
-        async with asyncio.timeout(30):
-            await peer.asked.wait()
-        await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", p1), "worker-c"))
+        await _pull_then_queue_behind(fleet, peer, p1)
         await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("dropped", p1), "worker-c"))
         for rid in ("pulling", "dropped"):
             await fleet.producer.send(
@@ -398,14 +404,8 @@ async def test_a_cancel_is_answered_during_a_stalled_pull_and_the_queue_behind_i
 
 async def test_stopping_during_a_stalled_pull_answers_every_request_not_yet_started(fleet: Fleet) -> None:
     worker = await fleet.add_worker("worker-c", fetch_timeout_s=120.0)
-    p1 = _turn1()
     async with StalledPeer() as peer:
-        await fleet.producer.send(
-            topics.ASSIGNMENTS, _assign(_request("pulling", p1), "worker-c", fetch=[_stalled_plan(peer, p1)])
-        )
-        async with asyncio.timeout(30):
-            await peer.asked.wait()
-        await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", p1), "worker-c"))
+        await _pull_then_queue_behind(fleet, peer, _turn1())
         async with asyncio.timeout(30):
             while "behind" not in worker._pending:
                 await asyncio.sleep(0.05)

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Set as AbstractSet
-from itertools import islice
 
 from kvmesh_core.event_runs import EventRun, EventRuns
-from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, pick_victim
+from kvmesh_core.eviction import HeldElsewhere, dram_victim_to_disk, victim_among
 from schemas.messages import TIERS
 
 
@@ -166,14 +165,11 @@ class TieredCache:
         block is busy."""
         store = self._tiers[tier]
         held = self._held_elsewhere()
-        # plain LRU needs only the first candidate; the fleet rule looks at a window of them
-        width = VICTIM_WINDOW if held is not None else 1
         while self._caps[tier] - len(store) < n:
-            window = list(islice((h for h in store if h not in busy and h != keep), width))
-            i = pick_victim(window, held)
-            if i is None:
+            found = victim_among((h for h in store if h not in busy and h != keep), held)
+            if found is None:
                 return False
-            h = window[i]
+            h = found[1]
             del store[h]
             self._demote(tier, h, log, busy)
         return True

@@ -65,6 +65,25 @@ def test_queued_request_past_deadline_is_rejected_at_next_drain() -> None:
     assert len(disp) == 1
 
 
+def test_each_held_deadline_expires_in_turn_after_earlier_ones_went() -> None:
+    # The dispatcher skips the scan while no held deadline can have passed; after one expires (or its
+    # holder is cancelled) the next earliest deadline must still be found.
+    disp = FairDispatcher(Router(FleetView(), RouterSettings(no_worker_hold_ms=60_000)))
+    disp.submit(
+        request("r0", prompt(32, 0))
+    )  # the head, held (no workers): only the scan can expire the rest
+    disp.submit(request("r1", prompt(32, 1), deadline_ms=1500))
+    disp.submit(request("r2", prompt(32, 2), deadline_ms=3000))
+    disp.submit(request("r3", prompt(32, 3), deadline_ms=2000))
+    assert disp.drain(1000) == []
+    assert disp.cancel("r3") is not None
+    rejected = []
+    for now in (1600, 2500, 3100):
+        rejected.append([d.rejection.request_id for d in disp.drain(now) if d.rejection])
+    assert rejected == [["r1"], [], ["r2"]]
+    assert len(disp) == 1
+
+
 def test_cancel_removes_queued_request() -> None:
     disp = FairDispatcher(Router(FleetView(), RouterSettings()))
     disp.submit(request("r1", prompt(32)))

@@ -118,12 +118,7 @@ def least_loaded_workers(view: FleetView, live: list[str], k: int, now_ms: int) 
         workers = view.workers
         return sorted(
             live,
-            key=lambda w: (
-                view.queue_ms(workers[w], now_ms),
-                workers[w].report.active_tokens,
-                workers[w].last_assign_ms,
-                w,
-            ),
+            key=lambda w: (view.queue_ms(workers[w], now_ms), *workers[w].tie_key),
         )
     # the view keeps workers ranked by a running load key (pending decay not applied): walking its
     # head costs O(k) instead of one Python call per worker. The picks are then scored exactly.
@@ -242,14 +237,7 @@ def kvmesh(
 
     # equal estimates (common: idle or one decode step, nothing cached) go to the smaller decode
     # batch, which frees up sooner, then to the worker assigned to longest ago (view.WorkerState)
-    out.sort(
-        key=lambda c: (
-            cost(c),
-            workers[c.worker_id].report.active_tokens,
-            workers[c.worker_id].last_assign_ms,
-            c.worker_id,
-        )
-    )
+    out.sort(key=lambda c: (cost(c), *workers[c.worker_id].tie_key))
     return out
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,8 +93,20 @@ class WorkerState:
     last_assign_ms: int = -1
 
     @property
+    def tie_key(self) -> tuple[int, int, str]:
+        """How equally loaded workers are ordered, everywhere the router ranks them: the smaller decode
+        batch (it frees up sooner), then the oldest last assignment, then the id."""
+        return (self.report.active_tokens, self.last_assign_ms, self.worker_id)
+
+    @property
     def transfer_address(self) -> str:
         return self.report.transfer_address
+
+
+def _uncovered(ws: WorkerState, now_ms: int) -> Iterator[PendingWork]:
+    """The pending entries that still count at ``now_ms``: assigned by then, after the latest report,
+    and not yet expired."""
+    return (w for w in ws.pending if w.until_ms > now_ms and ws.report_ms <= w.assign_ms <= now_ms)
 
 
 def _report_queue_ms(report: LoadReport, profile: PerfProfile) -> float:
@@ -217,9 +230,8 @@ class FleetView:
         # worker → base queue + pending ms (decay not applied): ranks workers for least-loaded picks
         # in C (heapq with a dict getter) instead of one Python call per worker per decision
         self.load_key: dict[str, float] = {}
-        # (load_key, active tokens, worker) sorted: least loaded first. Equal waits (idle, or one decode
-        # step) are common; the smaller decode batch frees up sooner, and breaking those ties by id
-        # alone would pile them on the lowest ids
+        # (load_key, *WorkerState.tie_key) sorted: least loaded first. Equal waits (idle, or one decode
+        # step) are common, and breaking them by id alone would pile them on the lowest ids
         self._load_rank: list[tuple[float, int, int, str]] = []
         self._rank_entry: dict[str, tuple[float, int, int, str]] = {}
         # live-worker cache: valid while no membership change and now_ms in [computed_at, valid_until)
@@ -493,9 +505,7 @@ class FleetView:
             and now_ms >= ws.pending[-1].assign_ms
         ):
             return ws.pending_total_ms  # in order and none decayed: the running total is exact
-        return sum(
-            w.cost_ms for w in ws.pending if w.until_ms > now_ms and ws.report_ms <= w.assign_ms <= now_ms
-        )
+        return sum(w.cost_ms for w in _uncovered(ws, now_ms))
 
     def link_wait_ms(self, ws: WorkerState, now_ms: int) -> float:
         """How long a pull planned onto ``ws`` now would wait for the pulls planned before it."""
@@ -505,11 +515,7 @@ class FleetView:
         """Prompt tokens still to prefill of the router's own assignments its reports do not cover."""
         if not ws.pending:
             return 0
-        return sum(
-            w.prefill_tokens
-            for w in ws.pending
-            if w.until_ms > now_ms and ws.report_ms <= w.assign_ms <= now_ms
-        )
+        return sum(w.prefill_tokens for w in _uncovered(ws, now_ms))
 
     def queue_ms(self, ws: WorkerState, now_ms: int) -> float:
         """Estimated wait before a new request's prefill starts on ``ws``."""
@@ -548,12 +554,7 @@ class FleetView:
         if value is not None:
             self.load_key[worker_id] = value
             ws = self.workers.get(worker_id)
-            entry = (
-                value,
-                0 if ws is None else ws.report.active_tokens,
-                -1 if ws is None else ws.last_assign_ms,
-                worker_id,
-            )
+            entry = (value, *ws.tie_key) if ws is not None else (value, 0, -1, worker_id)
             self._rank_entry[worker_id] = entry
             bisect.insort(rank, entry)
 

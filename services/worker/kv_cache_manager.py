@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -409,13 +410,17 @@ class KvCacheManager:
         return self._has_copies if self._fleet_copies is not None else None
 
     def _pick(self, candidates: list[int]) -> int | None:
-        """The victim's index among ``candidates`` (evictable, least recent first): the fleet rule."""
-        return pick_victim(candidates[:VICTIM_WINDOW], self._held_elsewhere(), self._retained)
+        """The victim's index among ``candidates`` (evictable, least recent first, at most
+        VICTIM_WINDOW: the rule looks no further): the fleet rule."""
+        return pick_victim(candidates, self._held_elsewhere(), self._retained)
 
     def _make_gpu_room(self, n: int) -> bool:
         """Evict cached GPU blocks until ``n`` are free; False if unreferenced blocks run out."""
         while self.pool.num_free < n:
-            cands = [b for b in self.pool.lru_cached() if b not in self._gpu_pins]
+            # only the rule's window: hashing every cached block per eviction was O(pool) Python work
+            cands = list(
+                islice((b for b in self.pool.lru_cached() if b not in self._gpu_pins), VICTIM_WINDOW)
+            )
             hashes = [self.pool.hash_of(b) for b in cands]
             i = self._pick(hashes)  # type: ignore[arg-type]  # a cached block always has its hash
             if i is None:
@@ -443,7 +448,7 @@ class KvCacheManager:
         """Free one slot of ``tier`` by demoting (DRAM → disk) or dropping its LRU victim."""
         if tier.num_free:
             return True
-        cands = [h for h in tier.lru() if not tier.pinned(h) and h != keep]
+        cands = list(islice((h for h in tier.lru() if not tier.pinned(h) and h != keep), VICTIM_WINDOW))
         i = self._pick(cands)
         if i is None:
             return False

@@ -47,11 +47,16 @@ def hash_block(parent: int, namespace: bytes, tokens: Sequence[int] | np.ndarray
     blake2b keeps collisions as unlikely as a 64-bit digest allows even for adversarial prompts
     (a non-cryptographic hash would let a tenant craft a collision with another's block).
     """
+    return _hash_packed(parent, namespace, np.asarray(tokens, dtype="<u4").tobytes())
+
+
+def _hash_packed(parent: int, namespace: bytes, packed: bytes | memoryview) -> int:
+    """hash_block over tokens already packed as little-endian uint32."""
     h = hashlib.blake2b(digest_size=8)
     h.update((parent & _MASK64).to_bytes(8, "little"))
     h.update(len(namespace).to_bytes(2, "little"))
     h.update(namespace)
-    h.update(np.asarray(tokens, dtype="<u4").tobytes())
+    h.update(packed)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -78,11 +83,13 @@ def block_hashes(
         raise ValueError("token ids must fit in 32 bits")
     out: list[int] = []
     n_full = arr.size // block_size
+    # packed once, then hashed a block's bytes at a time (a conversion per block was most of the cost)
+    packed = memoryview(arr[: n_full * block_size].astype("<u4").tobytes())
+    width = 4 * block_size
     for i in range(n_full):
-        chunk = arr[i * block_size : (i + 1) * block_size]
         block_end = start_token + (i + 1) * block_size
         ns = PUBLIC_NAMESPACE if block_end <= public_prefix_tokens else namespace
-        parent = hash_block(parent, ns, chunk)
+        parent = _hash_packed(parent, ns, packed[i * width : (i + 1) * width])
         out.append(parent)
     return out
 

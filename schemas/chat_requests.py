@@ -11,6 +11,7 @@ import numpy as np
 
 from schemas.blocks import block_hashes, tenant_namespace
 from schemas.messages import ChatRequest
+from schemas.token_ids import TokenIds
 
 
 def chat_request(
@@ -27,14 +28,17 @@ def chat_request(
 ) -> ChatRequest:
     """A request for ``tokens`` of ``tenant``; ``fields``: the rest of ChatRequest's (sampling,
     deadline_ms, model, reply_topic, stop_token_ids)."""
-    ids = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+    ids: Sequence[int] = TokenIds(tokens) if isinstance(tokens, np.ndarray) else list(tokens)
     namespace = tenant_namespace(tenant)
     return ChatRequest(
         request_id=request_id,
         session_id=session_id,
         tenant=tenant,
         token_ids=ids,
-        block_hashes=block_hashes(ids, block_size, namespace, public_prefix_tokens),
+        # the array itself when there is one: converting the list back costs more than the hashing
+        block_hashes=block_hashes(
+            tokens if isinstance(tokens, np.ndarray) else ids, block_size, namespace, public_prefix_tokens
+        ),
         block_size=block_size,
         max_tokens=max_tokens,
         arrival_ms=arrival_ms,

@@ -43,8 +43,15 @@ class PackedInts(Sequence[int]):
             self._buf: bytes = ids._buf
             self._arr: array[int] | None = ids._arr
             return
+        if isinstance(ids, np.ndarray):
+            # packed in C: a prompt as a list costs a Python int per token on the way in and out
+            self._buf = self._pack_numpy(ids)
+            self._arr = None
+            return
         try:
-            arr = array(self.TYPECODE, ids if isinstance(ids, list | tuple | array) else list(ids))
+            t = type(ids)  # exact types first: KvEvents build two of these per event
+            seq = ids if t is list or t is tuple or isinstance(ids, list | tuple | array) else list(ids)
+            arr = array(self.TYPECODE, seq)
         except (OverflowError, TypeError) as exc:
             # array accepts bools and int subclasses; a float or a negative value is refused here
             raise ValueError(
@@ -57,6 +64,15 @@ class PackedInts(Sequence[int]):
         else:
             self._buf = arr.tobytes()
         self._arr = arr
+
+    @classmethod
+    def _pack_numpy(cls, ids: np.ndarray) -> bytes:
+        top = 2 ** (8 * cls.ITEM_BYTES) - 1
+        if ids.ndim != 1 or ids.dtype.kind not in "biu":
+            raise ValueError(f"{cls.WHAT} must be a 1-d array of ints, got {ids.dtype} of shape {ids.shape}")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) > top):
+            raise ValueError(f"{cls.WHAT} must be ints in 0..{top}")
+        return ids.astype(cls.DTYPE).tobytes()
 
     @classmethod
     def from_bytes(cls: type[_P], data: bytes) -> _P:

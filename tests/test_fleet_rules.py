@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from kvmesh_core.eviction import dram_victim_to_disk, pick_victim
+import random
+from collections.abc import Iterator
+from itertools import islice
+
+from kvmesh_core.eviction import (
+    VICTIM_WINDOW,
+    dram_victim_to_disk,
+    pick_victim,
+    victim_among,
+    victims_in_turn,
+)
 from kvmesh_core.reuse import reusable_blocks
 
 
@@ -18,6 +28,39 @@ def test_victim_order_fleet_copy_then_unretained_then_lru() -> None:
     assert pick_victim(window, elsewhere) == 2  # the least recent block the fleet still has elsewhere
     assert pick_victim(window, elsewhere, retained={12}) == 3  # a retained one goes after
     assert pick_victim(window, None, retained={10, 11}) == 2  # hints alone: unretained first
+
+
+def test_victims_in_turn_are_the_rule_applied_once_per_victim() -> None:
+    """The batched victims are exactly what one victim_among call per eviction picks, with held
+    copies sparse, dense, absent, beyond the window, and more victims than candidates."""
+    rng = random.Random(7)
+    for trial in range(300):
+        n = rng.randrange(0, 3 * VICTIM_WINDOW)
+        blocks = list(range(n))
+        density = rng.choice((0.0, 0.01, 0.1, 0.5, 1.0))
+        held = {h for h in blocks if rng.random() < density}
+        held_elsewhere = None if trial % 5 == 0 else held.__contains__
+        k = rng.randrange(0, n + 3)
+        left, expected = list(blocks), []
+        for _ in range(k):
+            found = victim_among(left, held_elsewhere)
+            if found is None:
+                break
+            expected.append(left.pop(found[0]))
+        assert list(islice(victims_in_turn(iter(blocks), held_elsewhere), k)) == expected
+
+
+def test_victims_in_turn_reads_lazily() -> None:
+    read: list[int] = []
+
+    def source() -> Iterator[int]:
+        for h in range(10_000):
+            read.append(h)
+            yield h
+
+    taken = list(islice(victims_in_turn(source(), None), 3))
+    assert taken == [0, 1, 2]
+    assert len(read) <= VICTIM_WINDOW + 3
 
 
 def test_dram_keeps_last_copies_on_disk() -> None:

@@ -19,33 +19,42 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Set as AbstractSet
+from itertools import filterfalse, islice
 
 from kvmesh_core.event_runs import EventRun, EventRuns
-from kvmesh_core.eviction import HeldElsewhere, dram_victim_to_disk, victim_among
+from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, victims_in_turn
 from schemas.messages import TIERS
 
 
 class FleetHolders:
-    """How many of the fleet's caches hold each block (any tier); shared by every TieredCache."""
+    """How many of the fleet's caches hold each block (any tier); shared by every TieredCache.
 
-    __slots__ = ("counts",)
+    ``shared`` is the set of blocks two or more caches hold, so that "held elsewhere?" for a block
+    a cache holds is a set lookup the eviction rule can run in C (it runs ~30M times in an
+    overloaded 12k-request simulation)."""
+
+    __slots__ = ("counts", "held_elsewhere", "shared")
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
+        self.shared: set[int] = set()
+        #: For a block a cache holds: whether another cache holds it too.
+        self.held_elsewhere: HeldElsewhere = self.shared.__contains__
 
     def add(self, h: int) -> None:
-        self.counts[h] = self.counts.get(h, 0) + 1
+        n = self.counts.get(h, 0) + 1
+        self.counts[h] = n
+        if n == 2:
+            self.shared.add(h)
 
     def remove(self, h: int) -> None:
         n = self.counts[h] - 1
         if n:
             self.counts[h] = n
+            if n == 1:
+                self.shared.discard(h)
         else:
             del self.counts[h]
-
-    def held_elsewhere(self, h: int) -> bool:
-        """For a block this cache holds: whether another cache holds it too."""
-        return self.counts.get(h, 0) > 1
 
 
 class TieredCache:
@@ -164,15 +173,19 @@ class TieredCache:
         least recent blocks other than ``busy`` and ``keep``, demoted or dropped. False when every
         block is busy."""
         store = self._tiers[tier]
-        held = self._held_elsewhere()
-        while self._caps[tier] - len(store) < n:
-            found = victim_among((h for h in store if h not in busy and h != keep), held)
-            if found is None:
-                return False
-            h = found[1]
+        need = n - (self._caps[tier] - len(store))
+        if need <= 0:
+            return True
+        # The victims one after another, each picked by the fleet rule once the one before has gone
+        # (demoting a victim changes no other tier's holder counts for this tier's blocks). Listed
+        # first: the store loses each victim while they are read.
+        skip = busy if keep is None or keep not in store else {*busy, keep}
+        ahead = list(islice(filterfalse(skip.__contains__, store), need + VICTIM_WINDOW))
+        for h in islice(victims_in_turn(ahead, self._held_elsewhere()), need):
             del store[h]
             self._demote(tier, h, log, busy)
-        return True
+            need -= 1
+        return need == 0
 
     def _demote(self, tier: int, h: int, log: EventRuns, busy: AbstractSet[int]) -> None:
         """A victim of ``tier`` goes one tier down with room made there, or is dropped

@@ -50,6 +50,41 @@ def test_inequality_and_errors() -> None:
         TokenIds.from_bytes(b"\x00" * 5)
 
 
+@given(ids32)
+def test_an_array_packs_to_the_same_bytes_as_its_list(ids: list[int]) -> None:
+    for dtype in ("<u4", "<i8", "<u8"):
+        assert TokenIds(np.asarray(ids, dtype=dtype)).to_bytes() == TokenIds(ids).to_bytes()
+    assert BlockHashes(np.asarray(ids, dtype="<u8")) == BlockHashes(ids)
+
+
+def test_an_array_out_of_range_or_not_ints_is_refused() -> None:
+    for bad in (np.array([-1]), np.array([1 << 32]), np.array([1.5]), np.array([[1, 2]])):
+        with pytest.raises(ValueError, match="token ids"):
+            TokenIds(bad)
+    assert TokenIds(np.array([], dtype=np.int64)) == []
+
+
+def test_a_request_built_from_an_array_matches_one_built_from_its_list() -> None:
+    from schemas.chat_requests import chat_request
+
+    arr = np.random.default_rng(3).integers(0, 32_000, size=1000)
+    made = [
+        chat_request(
+            t,
+            request_id="r",
+            session_id="s",
+            tenant="a",
+            block_size=16,
+            max_tokens=1,
+            arrival_ms=0,
+            public_prefix_tokens=100,
+        )
+        for t in (arr, arr.tolist())
+    ]
+    assert made[0] == made[1]
+    assert made[0].block_hashes == block_hashes(arr.tolist(), 16, b"t:a", 100)
+
+
 def test_copies_and_pickles_as_itself() -> None:
     t = TokenIds(range(40))
     for other in (copy.copy(t), copy.deepcopy(t), pickle.loads(pickle.dumps(t))):

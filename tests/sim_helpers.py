@@ -5,8 +5,30 @@ Imported as ``from sim_helpers import ...`` (tests/ is on sys.path through its c
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import shutil
 from pathlib import Path
+
+#: The shared traces live beside the repository (../shared/traces); KVMESH_TRACES names another folder.
+_BESIDE = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = Path(os.environ.get("KVMESH_TRACES") or _BESIDE)
+MOONCAKE = "mooncake_synthetic_trace.jsonl"
+#: The same trace, vendored (tests/data/README.md)
+VENDORED = Path(__file__).resolve().parent / "data" / f"{MOONCAKE}.gz"
+
+
+def mooncake_trace_path(tmp_path: Path) -> Path:
+    """The public Mooncake trace: from ``KVMESH_TRACES``, else the shared folder beside the repository,
+    else the copy in ``tests/data`` unpacked into ``tmp_path`` (so a clean clone anywhere has it)."""
+    shared = TRACES / MOONCAKE
+    if shared.exists():
+        return shared
+    out = tmp_path / MOONCAKE
+    with gzip.open(VENDORED, "rb") as src, out.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return out
 
 
 def tiny_trace(path: Path, n: int) -> Path:

@@ -29,7 +29,7 @@ class SchedulerSettings(ShellSettings):
     tenant_max_inflight: int | None = None
     least_loaded_k: int = 2
     no_worker_hold_ms: int = 2000
-    max_hold_ms: int = 30_000
+    max_hold_ms: int = 600_000  # a safety valve, not a pace: see RouterSettings
     # Fair queueing between tenants: deficit round robin quantum, in prompt tokens.
     quantum_tokens: int = 4096
 

@@ -10,39 +10,28 @@ The trace comes from ``KVMESH_TRACES``, else the shared folder beside the reposi
 
 from __future__ import annotations
 
-import gzip
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
+from sim_helpers import mooncake_trace_path
 
 from kvmesh.sim.__main__ import main
-
-#: The shared traces live beside the repository (../shared/traces); KVMESH_TRACES names another folder.
-_BESIDE = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-TRACES = Path(os.environ.get("KVMESH_TRACES") or _BESIDE)
-NAME = "mooncake_synthetic_trace.jsonl"
-#: The same trace, vendored (tests/data/README.md)
-VENDORED = Path(__file__).resolve().parents[1] / "data" / f"{NAME}.gz"
-
-
-def _trace(tmp_path: Path) -> Path:
-    shared = TRACES / NAME
-    if shared.exists():
-        return shared
-    out = tmp_path / NAME
-    with gzip.open(VENDORED, "rb") as src, out.open("wb") as dst:
-        shutil.copyfileobj(src, dst)
-    return out
 
 
 @pytest.mark.slow
 def test_kvmesh_meets_the_goal_on_the_mooncake_trace(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    argv = ["--trace", str(_trace(tmp_path)), "--workers", "16", "--time-scales", "0.28", "--json"]
+    argv = [
+        "--trace",
+        str(mooncake_trace_path(tmp_path)),
+        "--workers",
+        "16",
+        "--time-scales",
+        "0.28",
+        "--json",
+    ]
     argv += ["--policies", "round_robin,least_loaded,prefix_aware,kvmesh"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -15,7 +15,8 @@ request. "Out of blocks" is a ``None`` return value; misuse (double free, unknow
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Container
+from itertools import filterfalse, islice
 
 import torch
 from torch import Tensor
@@ -63,9 +64,11 @@ class BlockPool:
     def hashes(self) -> list[int]:
         return list(self._by_hash)
 
-    def lru_cached(self) -> Iterator[int]:
-        """Cached (evictable) block ids, least recently used first."""
-        return iter(list(self._cached))
+    def lru_cached(self, n: int, skip: Container[int] = ()) -> list[int]:
+        """The ``n`` least recently used cached (evictable) block ids not in ``skip``, least recent
+        first. Only the head is read: eviction looks at a window of the LRU order, and copying the
+        whole order per eviction was O(pool)."""
+        return list(islice(filterfalse(skip.__contains__, self._cached), n))
 
     # ---- transitions -------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:

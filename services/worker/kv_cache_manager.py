@@ -25,7 +25,6 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 
 import torch
@@ -418,9 +417,7 @@ class KvCacheManager:
         """Evict cached GPU blocks until ``n`` are free; False if unreferenced blocks run out."""
         while self.pool.num_free < n:
             # only the rule's window: hashing every cached block per eviction was O(pool) Python work
-            cands = list(
-                islice((b for b in self.pool.lru_cached() if b not in self._gpu_pins), VICTIM_WINDOW)
-            )
+            cands = self.pool.lru_cached(VICTIM_WINDOW, skip=self._gpu_pins)
             hashes = [self.pool.hash_of(b) for b in cands]
             i = self._pick(hashes)  # type: ignore[arg-type]  # a cached block always has its hash
             if i is None:
@@ -448,7 +445,7 @@ class KvCacheManager:
         """Free one slot of ``tier`` by demoting (DRAM → disk) or dropping its LRU victim."""
         if tier.num_free:
             return True
-        cands = list(islice((h for h in tier.lru() if not tier.pinned(h) and h != keep), VICTIM_WINDOW))
+        cands = tier.lru_unpinned(VICTIM_WINDOW, keep)
         i = self._pick(cands)
         if i is None:
             return False

@@ -10,6 +10,7 @@ readers (the block server) are not reused until unpinned, even after their block
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,12 @@ class HostTier:
     def lru(self) -> list[int]:
         """Held hashes, least recently used first."""
         return list(self._lru)
+
+    def lru_unpinned(self, n: int, keep: int | None = None) -> list[int]:
+        """The ``n`` least recently used hashes that are neither pinned nor ``keep``, least recent
+        first: the eviction window, read without copying the whole order."""
+        pins, slot = self._pins, self._by_hash
+        return list(islice((h for h in self._lru if slot[h] not in pins and h != keep), n))
 
     def get(self, block_hash: int) -> Tensor:
         assert self.tensor is not None

@@ -231,3 +231,18 @@ def test_clear_drops_everything(tmp_path: Path) -> None:
     assert m.tier_usage()[0].free_blocks == 2
     assert (tmp_path / "w1.kvblocks").is_file()
     m.close()
+
+
+def test_eviction_windows_read_only_the_head_and_skip_pins(tmp_path: Path) -> None:
+    m = _mgr(tmp_path, gpu=4, dram=4, disk=0)
+    ids = [_store(m, 10 + i, 10 + i - 1 if i else 0, float(i)) for i in range(4)]
+    assert m.pool.lru_cached(2) == ids[:2]  # least recent first, only n of them
+    assert m.pool.lru_cached(3, skip={ids[0]: 1}) == ids[1:4]
+    for i in range(4, 8):
+        _store(m, 10 + i, 10 + i - 1, float(i))  # 10..13 are now in DRAM, 10 the least recent
+    assert m.dram.lru_unpinned(2) == [10, 11]
+    assert m.read_block(10) is not None  # a reader pins 10's slot
+    assert m.dram.lru_unpinned(2) == [11, 12]
+    assert m.dram.lru_unpinned(2, keep=11) == [12, 13]
+    m.release_read(10)
+    assert m.dram.lru_unpinned(1) == [10]

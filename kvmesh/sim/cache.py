@@ -176,9 +176,10 @@ class TieredCache:
         need = n - (self._caps[tier] - len(store))
         if need <= 0:
             return True
-        # The victims one after another, each picked by the fleet rule once the one before has gone
-        # (demoting a victim changes no other tier's holder counts for this tier's blocks). Listed
-        # first: the store loses each victim while they are read.
+        # The victims one after another, each picked by the fleet rule once the one before has gone.
+        # Batching them is exact: moving or dropping a victim changes no holder count of another
+        # block of this tier (a hash sits in one tier per worker). Listed first, because the store
+        # loses each victim while they are read.
         skip = busy if keep is None or keep not in store else {*busy, keep}
         ahead = list(islice(filterfalse(skip.__contains__, store), need + VICTIM_WINDOW))
         for h in islice(victims_in_turn(ahead, self._held_elsewhere()), need):

@@ -27,41 +27,30 @@ HeldElsewhere = Callable[[int], bool]
 def pick_victim(
     window: Sequence[int], held_elsewhere: HeldElsewhere | None, retained: Container[int] = ()
 ) -> int | None:
-    """Index into ``window`` (evictable blocks, least recent first, at most VICTIM_WINDOW) of the
-    block to evict; None when there is none."""
-    found = victim_among(window, held_elsewhere, retained)
-    return None if found is None else found[0]
-
-
-def victim_among(
-    candidates: Iterable[int], held_elsewhere: HeldElsewhere | None, retained: Container[int] = ()
-) -> tuple[int, int] | None:
-    """``(index, block)`` of the victim among the first VICTIM_WINDOW of ``candidates`` (evictable,
-    least recent first, read lazily); None when there is none. The first block with the best
-    possible key ends the search: this runs on every eviction, and a lazy window with an early stop
-    keeps it from building and scanning 64 candidates for each victim."""
-    window = islice(candidates, VICTIM_WINDOW)
-    first: tuple[int, int] | None = None
+    """Index into ``window`` (evictable blocks, least recent first) of the block to evict, looking at
+    its first VICTIM_WINDOW only; None when there is none. The first block with the best possible key
+    ends the search (this runs on every eviction)."""
+    window = window[:VICTIM_WINDOW]
     if not retained:
         # the key is (held elsewhere? 0 : 1, 0): the first copy held elsewhere, else the least recent
-        for i, h in enumerate(window):
-            if held_elsewhere is None or held_elsewhere(h):
-                return i, h
-            if first is None:
-                first = (i, h)
-        return first
+        if held_elsewhere is not None:
+            for i, h in enumerate(window):
+                if held_elsewhere(h):
+                    return i
+        return 0 if window else None
+    best: int | None = None
     best_key = (2, 2)
     for i, h in enumerate(window):
         key = (0 if held_elsewhere is not None and held_elsewhere(h) else 1, 1 if h in retained else 0)
         if key < best_key:
-            first, best_key = (i, h), key
+            best, best_key = i, key
             if key == (0, 0):
                 break
-    return first
+    return best
 
 
 def victims_in_turn(candidates: Iterable[int], held_elsewhere: HeldElsewhere | None) -> Iterator[int]:
-    """The victims that repeated :func:`victim_among` calls (no retained blocks) would pick, one per
+    """The victims that repeated :func:`pick_victim` calls (no retained blocks) would pick, one per
     ``next``, when each victim leaves ``candidates`` and nothing else changes between the picks.
 
     One call of the rule checks up to VICTIM_WINDOW blocks; evicting k blocks that way checks up to

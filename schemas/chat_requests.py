@@ -28,17 +28,20 @@ def chat_request(
 ) -> ChatRequest:
     """A request for ``tokens`` of ``tenant``; ``fields``: the rest of ChatRequest's (sampling,
     deadline_ms, model, reply_topic, stop_token_ids)."""
-    ids: Sequence[int] = TokenIds(tokens) if isinstance(tokens, np.ndarray) else list(tokens)
+    # an array is packed and hashed as it is: a list of it costs a Python int per token, twice
+    ids: Sequence[int]
+    hashed: Sequence[int] | np.ndarray
+    if isinstance(tokens, np.ndarray):
+        ids, hashed = TokenIds(tokens), tokens
+    else:
+        ids = hashed = list(tokens)
     namespace = tenant_namespace(tenant)
     return ChatRequest(
         request_id=request_id,
         session_id=session_id,
         tenant=tenant,
         token_ids=ids,
-        # the array itself when there is one: converting the list back costs more than the hashing
-        block_hashes=block_hashes(
-            tokens if isinstance(tokens, np.ndarray) else ids, block_size, namespace, public_prefix_tokens
-        ),
+        block_hashes=block_hashes(hashed, block_size, namespace, public_prefix_tokens),
         block_size=block_size,
         max_tokens=max_tokens,
         arrival_ms=arrival_ms,

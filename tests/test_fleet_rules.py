@@ -10,7 +10,6 @@ from kvmesh_core.eviction import (
     VICTIM_WINDOW,
     dram_victim_to_disk,
     pick_victim,
-    victim_among,
     victims_in_turn,
 )
 from kvmesh_core.reuse import reusable_blocks
@@ -31,7 +30,7 @@ def test_victim_order_fleet_copy_then_unretained_then_lru() -> None:
 
 
 def test_victims_in_turn_are_the_rule_applied_once_per_victim() -> None:
-    """The batched victims are exactly what one victim_among call per eviction picks, with held
+    """The batched victims are exactly what one pick_victim call per eviction picks, with held
     copies sparse, dense, absent, beyond the window, and more victims than candidates."""
     rng = random.Random(7)
     for trial in range(300):
@@ -43,10 +42,10 @@ def test_victims_in_turn_are_the_rule_applied_once_per_victim() -> None:
         k = rng.randrange(0, n + 3)
         left, expected = list(blocks), []
         for _ in range(k):
-            found = victim_among(left, held_elsewhere)
-            if found is None:
+            i = pick_victim(left, held_elsewhere)
+            if i is None:
                 break
-            expected.append(left.pop(found[0]))
+            expected.append(left.pop(i))
         assert list(islice(victims_in_turn(iter(blocks), held_elsewhere), k)) == expected
 
 

@@ -73,8 +73,7 @@ class HostTier:
     def lru_unpinned(self, n: int, keep: int | None = None) -> list[int]:
         """The ``n`` least recently used hashes that are neither pinned nor ``keep``, least recent
         first: the eviction window, read without copying the whole order."""
-        pins, slot = self._pins, self._by_hash
-        return list(islice((h for h in self._lru if slot[h] not in pins and h != keep), n))
+        return list(islice((h for h in self._lru if h != keep and not self.pinned(h)), n))
 
     def get(self, block_hash: int) -> Tensor:
         assert self.tensor is not None

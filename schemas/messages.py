@@ -199,6 +199,11 @@ class DecisionInputs(msgspec.Struct, frozen=True):
     ``since``: the offset each partition was first read from (replies start at their end; kv-events
     at the directory snapshot's offsets). ``batch`` numbers the dispatcher's drains: decisions of one
     batch saw the same inputs, in ``decision_seq`` order.
+
+    Two inputs come from the scheduler's own queue, not from a stream: ``held``, how many requests it
+    held besides this one (kvmesh charges extra work by them), and ``pulled``, whether a worker with
+    room pulled this held request (it was placed there, not on the policy's choice). Both were added
+    with defaults, so records written before them still decode (to 0 and False).
     """
 
     FULL_EVERY: ClassVar[int] = 64
@@ -208,6 +213,8 @@ class DecisionInputs(msgspec.Struct, frozen=True):
     since: dict[str, int] = msgspec.field(default_factory=dict)
     full: bool = False
     batch: int = 0
+    held: int = 0
+    pulled: bool = False
 
 
 class Assignment(msgspec.Struct, frozen=True, tag="assignment"):

@@ -8,7 +8,8 @@ new run), and for each recorded assignment, in ``decision_seq`` order (the FairD
 
 1. applies every state record of each partition from where it stands up to the recorded position,
    ordered across partitions by (timestamp, partition, offset) as the live loop interleaved them;
-2. decides the request at the recorded ``now_ms`` with the chosen policy;
+2. decides the request at the recorded ``now_ms`` with the chosen policy, the recorded count of
+   requests the scheduler held, and on the recorded worker when a worker with room pulled it;
 3. notes the *recorded* assignment in the view, as the live router noted its own.
 
 With the recorded policy and settings the decisions match by construction; with another policy the
@@ -65,10 +66,17 @@ class HeldView(FleetView):
         self, router: Router, req: ChatRequest, now_ms: int, recorded: Assignment | None
     ) -> Decision:
         """``router``'s decision on this view, then the *recorded* assignment noted (when there is one)
-        as the live router noted its own, so a what-if never changes the history later decisions see."""
+        as the live router noted its own, so a what-if never changes the history later decisions see.
+        The scheduler's own inputs come from the record: its held count, and the worker that pulled
+        a held request (DecisionInputs)."""
+        inputs = None if recorded is None else recorded.inputs
+        self.held = 0 if inputs is None else inputs.held
+        pull_to = (
+            recorded.worker_id if recorded is not None and inputs is not None and inputs.pulled else None
+        )
         self.hold = True
         try:
-            d = router.decide(req, now_ms)
+            d = router.decide(req, now_ms, pull_to=pull_to)
         finally:
             self.hold = False
         if recorded is not None:

@@ -114,6 +114,11 @@ class SchedulerMetrics:
             "Requests decided again (their worker lost, restarted or silent).",
             registry=r,
         )
+        self.pulled = Counter(
+            "kvmesh_scheduler_pulled",
+            "Held requests placed on a worker with room that pulled them from a busier one.",
+            registry=r,
+        )
         self.requests = Counter("kvmesh_scheduler_requests", "Request-topic records read.", registry=r)
         self.duplicate_requests = Counter(
             "kvmesh_scheduler_duplicate_requests",
@@ -180,6 +185,8 @@ class SchedulerMetrics:
 
     def assigned(self, a: Assignment) -> None:
         self.decisions.labels(self.policy, "assigned").inc()
+        if a.inputs is not None and a.inputs.pulled:
+            self.pulled.inc()
         self._pending[a.request.request_id] = prediction_of(a)
         while len(self._pending) > MAX_PENDING_PREDICTIONS:
             self._pending.popitem(last=False)

@@ -22,8 +22,14 @@ recompute (or fetch) it costs. Under load that greedy rule still undercounts: th
 choice causes on its worker (recompute and promotions, beyond the cheapest candidate's; link time is not
 the worker's compute) also delays every request that will queue behind it. So each candidate pays that
 extra work once more per request queued on an average candidate (reports' queue depth plus the
-router's own pending assignments), the M/G/1 externality of a job's service time. Idle fleets have no
+router's own pending assignments, plus a live worker's share of the requests the scheduler holds: they
+will all queue on some worker), the M/G/1 externality of a job's service time. Idle fleets have no
 queue, and the rule is then pure TTFT.
+
+A prompt whose prefix an active request (assigned, not completed) on a worker already covers counts
+that prefix as on the worker's GPU: it queues behind that request, which computes it. SGLang's router
+and Dynamo's credit what they routed the same way. Without it, a conversation's next turn that arrives
+before the previous one ran found its history nowhere and went to any worker.
 
 Candidates are the live workers holding a leading block of the prompt plus the ``k`` least loaded live
 workers: any other worker holds nothing of the prompt, so it cannot beat the least loaded of those
@@ -193,28 +199,41 @@ def score_set(
     found: list[Holder],
     params: ScoringParams,
     allow_fetch: bool,
+    ahead: dict[str, int] | None = None,
 ) -> list[CandidateScore]:
+    """Score each of ``ids``. ``ahead``: per worker, the leading blocks its active requests' prompts
+    hold (:func:`ahead_of`); past what the worker has stored, they count as computed there, on the
+    GPU, by the time ``req`` runs behind them. Peers fetch only what they have stored."""
     by_id = {h.ws.worker_id: h for h in found}
     best = found[0] if found else None
     second = found[1] if len(found) > 1 else None
     out = []
     for w in ids:
         h = by_id.get(w)
+        local = None if h is None else h.counts
+        if ahead:
+            n = ahead.get(w, 0)
+            if n > (0 if local is None else local[0]):
+                local = [n, n, 0, 0] if local is None else [n, local[1] + n - local[0], local[2], local[3]]
         peer = None
         if allow_fetch and best is not None:
             peer = second if best.ws.worker_id == w else best
-        out.append(
-            score_worker(
-                view,
-                view.workers[w],
-                req,
-                now_ms,
-                None if h is None else h.counts,
-                peer,
-                params.fetch_min_blocks,
-            )
-        )
+        out.append(score_worker(view, view.workers[w], req, now_ms, local, peer, params.fetch_min_blocks))
     return out
+
+
+def ahead_of(view: FleetView, req: ChatRequest, now_ms: int) -> dict[str, int]:
+    """Per live worker (not draining), the leading blocks of ``req`` that the prompts of its active
+    requests hold: a prefix another request is computing there (or has, before its KV events came)."""
+    active = view.active_blocks
+    if active is None or req.block_size != view.block_size or not req.block_hashes:
+        return {}
+    workers = view.workers
+    return {
+        w: n
+        for w, n in active.leading(req.block_hashes).items()
+        if (ws := workers.get(w)) is not None and _is_live(view, ws, now_ms, req.model)
+    }
 
 
 def kvmesh(
@@ -222,14 +241,17 @@ def kvmesh(
 ) -> list[CandidateScore]:
     """Least estimated time to first token, counting queue, promotion, peer fetch and recompute."""
     found = holders(view, req, now_ms, as_source=True)
+    ahead = ahead_of(view, req, now_ms)
     ids = {h.ws.worker_id for h in found if not h.ws.report.draining}
+    ids.update(ahead)
     ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
-    out = score_set(view, req, now_ms, sorted(ids), found, params, allow_fetch=True)
+    out = score_set(view, req, now_ms, sorted(ids), found, params, allow_fetch=True, ahead=ahead)
     workers = view.workers
     # the work a choice adds beyond the cheapest candidate delays the requests that will queue behind
     # it; as many will as now wait on an average candidate (see the module docstring)
     depth = sum(workers[c.worker_id].report.queue_depth + len(workers[c.worker_id].pending) for c in out)
-    behind = depth / len(out)
+    # ... and the requests the scheduler holds will queue on the live workers too, a share on each
+    behind = depth / len(out) + view.held / len(live)
     least_work = min(c.work_ms for c in out)
 
     def cost(c: CandidateScore) -> float:

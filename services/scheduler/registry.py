@@ -39,7 +39,7 @@ HOLDING_POLICIES: frozenset[str] = frozenset({"kvmesh"})
 
 def prepare_view(view: FleetView, policy: str) -> None:
     """Make ``view`` keep what ``policy`` reads besides the engines' reports."""
-    if policy == "dynamo":
+    if policy in ("dynamo", "kvmesh"):
         view.track(active_blocks=True)
     elif policy == "sglang":
         view.track(routed_max_blocks=peer_policies.SGLANG_MAX_TREE_TOKENS // max(view.block_size, 1))

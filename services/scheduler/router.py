@@ -4,7 +4,9 @@
 deferred), the live workers serving the model (none → deferred for ``no_worker_hold_ms`` after arrival,
 then rejection), the policy's ranking, and overload (best queue wait above ``max_queue_ms`` → deferred
 until ``max_hold_ms`` after arrival, then assigned anyway; only for ``kvmesh``, whose choice is the
-least wait in the fleet: the baselines and the peers' routers route at once, as they do). The
+least wait in the fleet: the baselines and the peers' routers route at once, as they do). A held
+request can also be *pulled* by a worker with room (``decide(..., pull_to=w)``: the same checks, that
+worker's estimate; fairness.FairDispatcher says when). The
 assignment carries the fetch plan and the estimate, and the router records it in the view
 (``note_assignment``; idempotent per request id, so a driver that also calls it does not double-count).
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan
 from services.scheduler.errors import UnknownPolicy
 from services.scheduler.fairness import deadline_rejection, rejection
-from services.scheduler.policies import CandidateScore, ScoringParams
+from services.scheduler.policies import CandidateScore, ScoringParams, ahead_of, holders, score_set
 from services.scheduler.registry import HOLDING_POLICIES, POLICIES, POLICY_FUNCS, Policy, prepare_view
 from services.scheduler.view import FleetView
 
@@ -57,6 +59,8 @@ class Decision:
     candidates: list[CandidateScore]
     deferred: bool = False
     reason: str = ""  # why deferred or rejected: "tenant_cap", "no_live_workers", "overloaded", "deadline"
+    held: int = 0  # the view's held count it was decided with (DecisionInputs.held)
+    pulled: bool = False  # placed on a worker with room that pulled it (decide's ``pull_to``)
 
 
 class Router:
@@ -85,7 +89,32 @@ class Router:
         self._holds_when_overloaded = settings.policy in HOLDING_POLICIES
         self._params = ScoringParams(settings.fetch_min_blocks, settings.least_loaded_k)
 
-    def decide(self, req: ChatRequest, now_ms: int) -> Decision:
+    def has_room(self, worker_id: str, now_ms: int) -> bool:
+        """Whether ``worker_id``'s estimated queue is short enough to take a request now (the
+        overload rule of ``decide``: a request whose best worker has no room is held)."""
+        ws = self.view.workers.get(worker_id)
+        return ws is not None and self.view.queue_ms(ws, now_ms) <= self.settings.max_queue_ms
+
+    def takes_work(self, worker_id: str, now_ms: int) -> bool:
+        """Whether ``worker_id`` is still one to wait for: known, reporting, not draining."""
+        ws = self.view.workers.get(worker_id)
+        return (
+            ws is not None
+            and ws.report_ms >= now_ms - self.view.settings.worker_timeout_ms
+            and not ws.report.draining
+        )
+
+    def price(self, req: ChatRequest, now_ms: int, worker_id: str) -> CandidateScore:
+        """The estimate for ``req`` on one worker, fetch from the best holder included."""
+        view = self.view
+        found = holders(view, req, now_ms, as_source=True)
+        ahead = ahead_of(view, req, now_ms)
+        scored = score_set(view, req, now_ms, [worker_id], found, self._params, allow_fetch=True, ahead=ahead)
+        return scored[0]
+
+    def decide(self, req: ChatRequest, now_ms: int, pull_to: str | None = None) -> Decision:
+        """Decide ``req`` at ``now_ms``. With ``pull_to``, a live worker with room that pulls a held
+        request (fairness.FairDispatcher): the checks are the same, but the request is placed there."""
         s = self.settings
         view = self.view
         view.fold_speed()
@@ -104,18 +133,23 @@ class Router:
                 return Decision(None, None, [], deferred=True, reason="no_live_workers")
             msg = f"no live worker serves model {req.model!r}"
             return Decision(None, rejection(req, msg), [], reason="no_live_workers")
-        candidates = self._policy(view, req, now_ms, live, self._params)
+        if pull_to is not None and pull_to in live:
+            candidates = [self.price(req, now_ms, pull_to)]
+        else:
+            candidates = self._policy(view, req, now_ms, live, self._params)
+            pull_to = None
         best = candidates[0]
         if (
-            self._holds_when_overloaded
+            pull_to is None
+            and self._holds_when_overloaded
             and best.queue_ms > s.max_queue_ms
             and now_ms - req.arrival_ms < s.max_hold_ms
         ):
-            return Decision(None, None, candidates, deferred=True, reason="overloaded")
+            return Decision(None, None, candidates, deferred=True, reason="overloaded", held=view.held)
         self.decision_seq += 1
         assignment = self._assignment(req, best)
         view.note_assignment(assignment, now_ms)
-        return Decision(assignment, None, candidates)
+        return Decision(assignment, None, candidates, held=view.held, pulled=pull_to is not None)
 
     def _assignment(self, req: ChatRequest, best: CandidateScore) -> Assignment:
         fetch: list[FetchPlan] = []

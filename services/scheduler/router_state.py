@@ -9,6 +9,9 @@ Two peers route on what *they* sent rather than on what the engines say they hol
   there, inserted at routing time and evicted LRU past a per-worker size; the engine's real cache is
   never read. Block hashes chain their prefix, so a set of hashes per worker is the tree.
 
+kvmesh keeps ActiveBlocks too, for a different use: a prompt whose prefix an active request on a worker
+is computing will find it there, since it queues behind that request (policies.kvmesh).
+
 Both are fed only by the router's own assignments and the Completions it sees, in event order, so they
 are deterministic and replay exactly. The view keeps one only when its policy needs it.
 """
@@ -60,6 +63,24 @@ class ActiveBlocks:
     def active(self, worker_id: str) -> int:
         """Distinct blocks of the worker's active requests."""
         return len(self._counts.get(worker_id, ()))
+
+    def leading(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Per worker, how many leading blocks of ``block_hashes`` its active requests' prompts hold
+        (workers holding none left out). Hashes chain their prefix, so a held block means its whole
+        prefix is held by the same request."""
+        if not block_hashes:
+            return {}
+        first = block_hashes[0]
+        out: dict[str, int] = {}
+        for w, counts in self._counts.items():
+            if first in counts:
+                n = 1
+                for h in block_hashes[1:]:
+                    if h not in counts:
+                        break
+                    n += 1
+                out[w] = n
+        return out
 
     def new_blocks(self, worker_id: str, block_hashes: Sequence[int]) -> int:
         """How many of ``block_hashes`` the worker's active requests do not already hold."""

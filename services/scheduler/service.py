@@ -471,7 +471,10 @@ class SchedulerService:
         self._decided_at = (wall_ms(), self.now_ms, False)
         for d in decisions:
             if d.assignment is not None:
-                a: Assignment = msgspec.structs.replace(d.assignment, inputs=inputs)
+                own = inputs
+                if own is not None and (d.held or d.pulled):
+                    own = msgspec.structs.replace(own, held=d.held, pulled=d.pulled)
+                a: Assignment = msgspec.structs.replace(d.assignment, inputs=own)
                 if inputs is not None and inputs.applied:
                     # the batch's other decisions saw the same inputs: nothing moved since
                     inputs = msgspec.structs.replace(inputs, applied={}, since={}, full=False)

@@ -215,6 +215,9 @@ class FleetView:
         self.kv_sequence = KvSequence()
         self.resync_wanted: list[str] = []
         self.assignments_noted = 0
+        # Requests the scheduler holds besides the one being decided (late binding), set by the
+        # dispatcher before each decision and recorded with it (DecisionInputs.held) for exact replay.
+        self.held = 0
         self._lost: dict[str, int] = {}  # worker → declared_ms of its last WorkerLost
         self.refused: dict[str, str] = {}  # worker → why its announce was refused (block size)
         self._inflight: dict[str, _Inflight] = {}

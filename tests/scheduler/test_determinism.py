@@ -93,7 +93,7 @@ def test_restart_from_snapshot_reaches_the_same_view() -> None:
     cut = len(kv_and_control) // 2
     # the never-stopped scheduler
     full = FleetView()
-    drive(full, Router(full, RouterSettings()), events)
+    decided = drive(full, Router(full, RouterSettings()), events)
     # the KV manager's snapshot after the first `cut` kv/control records
     snap_view = FleetView()
     for e in events:
@@ -114,8 +114,14 @@ def test_restart_from_snapshot_reaches_the_same_view() -> None:
     assert restarted.index.to_dict() == full.index.to_dict()
     now = max(e.arrival_ms for e in events if isinstance(e, ChatRequest)) + 1
     assert restarted.live_workers(now) == full.live_workers(now)
-    # once every worker has reported again (pending work caught up), both decide alike
-    catch_up = [load(w, now + 1) for w in full.live_workers(now)]
+    # once every worker has reported again and the requests the first one placed have completed
+    # (pending work caught up, no prompt still being computed anywhere), both decide alike
+    done = [
+        Completion(a.request.request_id, a.request.session_id, a.worker_id, "stop", 1, 1)
+        for d in decided
+        if (a := d.assignment) is not None
+    ]
+    catch_up = [*done, *(load(w, now + 1) for w in full.live_workers(now))]
     reqs = [e for e in events if isinstance(e, ChatRequest)][:30]
     later = [
         request(r.request_id + "-again", r.token_ids, arrival_ms=now + 2 + i, tenant=r.tenant)

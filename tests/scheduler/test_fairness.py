@@ -135,7 +135,11 @@ def _release(view: FleetView, now_ms: int) -> None:
 
 def test_held_requests_go_by_virtual_finish_time() -> None:
     """Arrival plus the request's own least prefill: a short prompt passes a long one that arrived a
-    few ms earlier, a prompt cached on a worker counts as short, equal ones keep arrival order."""
+    few ms earlier, a prompt cached on a worker counts as short, equal ones keep arrival order.
+
+    Each held request waits parked on its best worker: ``hit`` on w-1, which holds its prompt, the
+    rest on w-0 (the tie's first). Once "first" fills w-0, w-1 pulls the requests parked there in
+    their order, ``hit`` among them: a prompt cached nowhere costs w-1 no more than w-0."""
     view, disp = _held_fleet()
     cached = prompt(2048, 5)
     view.apply_kv_event(stored("w-1", request("x", cached).block_hashes))
@@ -146,8 +150,16 @@ def test_held_requests_go_by_virtual_finish_time() -> None:
     disp.submit(request("short2", prompt(32, 4), arrival_ms=1005))
     assert disp.drain(1011) == [] and len(disp) == 5
     _release(view, 1020)
-    order = [d.assignment.request.request_id for d in disp.drain(1020) if d.assignment]
-    assert order == ["first", "short", "short2", "hit", "long"]
+    out = disp.drain(1020)
+    order = [(d.assignment.request.request_id, d.assignment.worker_id, d.pulled) for d in out if d.assignment]
+    assert order == [
+        ("first", "w-0", False),
+        ("short", "w-1", True),
+        ("short2", "w-1", True),
+        ("hit", "w-1", False),
+        ("long", "w-1", True),
+    ]
+    assert disp.pulled == 3 and len(disp) == 0
 
 
 def test_a_short_prompt_passes_a_long_one_only_within_its_lead() -> None:

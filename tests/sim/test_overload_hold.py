@@ -36,6 +36,9 @@ def test_the_default_hold_keeps_prefixes_that_a_30s_hold_loses(tmp_path: Path) -
         assert s["requests"] == 2000 and s["rejected"] == 0
     # the regime under test: requests wait minutes, far past a 30 s hold
     assert short["ttft_p50_s"] > 60.0
-    assert default["kv_hit_fraction"] > short["kv_hit_fraction"] + 0.1
-    assert default["makespan_s"] < 0.9 * short["makespan_s"]
-    assert default["ttft_p99_s"] < 0.8 * short["ttft_p99_s"]
+    # measured: 0.33 against 0.28 of prompt tokens from cache, a makespan of 526 against 569 s, a
+    # p99 of 212 against 256 s (before requests waited parked on their workers: 0.33 / 0.18, 524 /
+    # 645 s, 214 / 327 s)
+    assert default["kv_hit_fraction"] > short["kv_hit_fraction"] + 0.03
+    assert default["makespan_s"] < 0.95 * short["makespan_s"]
+    assert default["ttft_p99_s"] < 0.9 * short["ttft_p99_s"]

@@ -144,10 +144,7 @@ class TenantQueue:
     def take_parked(self, worker: str, request_id: str) -> Entry:
         """Remove and return the request ``request_id`` parked on ``worker`` (it must be there)."""
         heap = self._parked[worker]
-        i = next(i for i, e in enumerate(heap) if e[2].request_id == request_id)
-        e = heap[i]
-        heap[i] = heap[-1]
-        heap.pop()
+        e = heap.pop(next(i for i, e in enumerate(heap) if e[2].request_id == request_id))
         if heap:
             heapq.heapify(heap)
         else:
@@ -165,10 +162,14 @@ class TenantQueue:
         gone: list[tuple[Entry, str | None]] = []
         heaps: list[tuple[str | None, list[Entry]]] = [(None, self._heap), *self._parked.items()]
         for where, heap in heaps:
-            keep = [e for e in heap if not drop(e[2])]
+            keep: list[Entry] = []
+            for e in heap:
+                if drop(e[2]):
+                    gone.append((e, where))
+                else:
+                    keep.append(e)
             if len(keep) == len(heap):
                 continue
-            gone.extend((e, where) for e in heap if drop(e[2]))
             heapq.heapify(keep)
             if where is None:
                 self._heap = keep
@@ -203,8 +204,8 @@ class FairDispatcher:
         self._queued = 0
         self._parked_ms: dict[str, float] = {}
         self._parked_n: Counter[str] = Counter()
-        self._parked_work: dict[str, float] = {}  # request id → its share of _parked_ms
-        self._parked_on: dict[str, tuple[str, str]] = {}  # request id → (tenant, worker)
+        # request id → (tenant, worker it is parked on, its share of _parked_ms)
+        self._parked_req: dict[str, tuple[str, str, float]] = {}
         # (arrival ms, request id) of parked requests, oldest first; stale entries (no longer parked)
         # are skipped when they surface: RouterSettings.max_hold_ms places the overdue ones
         self._by_arrival: list[tuple[int, str]] = []
@@ -347,10 +348,10 @@ class FairDispatcher:
         while heap and heap[0][0] <= oldest:
             rid = heapq.heappop(heap)[1]
             self._timed.discard(rid)
-            on = self._parked_on.get(rid)
+            on = self._parked_req.get(rid)
             if on is None:
                 continue
-            tenant, worker = on
+            tenant, worker, _ = on
             q = self._queues[tenant]
             entry = q.take_parked(worker, rid)
             self._unpark(entry, worker)
@@ -401,7 +402,7 @@ class FairDispatcher:
             # it passes the next request in line only by the lead its order gives it, less the work
             # it adds there, charged as the router charges extra work (once per request held per live
             # worker): a prompt cached nowhere moves in order, a session's turn rarely leaves home
-            extra = max(0.0, there.work_ms - self._parked_work.get(req.request_id, 0.0))
+            extra = max(0.0, there.work_ms - self._parked_req[req.request_id][2])
             if key + extra * len(self) / max(len(live), 1) >= then[0][0]:
                 return ""  # not now: the next request in line goes first
         return target[0]
@@ -412,21 +413,19 @@ class FairDispatcher:
         if req.request_id not in self._timed:
             self._timed.add(req.request_id)
             heapq.heappush(self._by_arrival, (req.arrival_ms, req.request_id))
-        self._parked_on[req.request_id] = (req.tenant, worker)
-        self._parked_work[req.request_id] = work_ms
+        self._parked_req[req.request_id] = (req.tenant, worker, work_ms)
         self._parked_ms[worker] = self._parked_ms.get(worker, 0.0) + work_ms
         self._parked_n[worker] += 1
 
     def _unpark(self, entry: Entry, where: str | None) -> None:
         if where is None:
             return
+        work_ms = self._parked_req.pop(entry[2].request_id)[2]
         self._parked_n[where] -= 1
         if self._parked_n[where] <= 0:
             del self._parked_n[where], self._parked_ms[where]  # exactly 0, whatever the float sums left
         else:
-            self._parked_ms[where] -= self._parked_work.pop(entry[2].request_id, 0.0)
-        self._parked_work.pop(entry[2].request_id, None)
-        self._parked_on.pop(entry[2].request_id, None)
+            self._parked_ms[where] -= work_ms
 
     def _forget(self, gone: list[tuple[Entry, str | None]]) -> None:
         self._queued -= len(gone)

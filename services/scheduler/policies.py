@@ -75,7 +75,7 @@ class Holder:
     counts: list[int]  # [leading blocks, in gpu, in dram, in disk]
 
 
-def _is_live(view: FleetView, ws: WorkerState, now_ms: int, model: str, as_source: bool = False) -> bool:
+def is_live(view: FleetView, ws: WorkerState, now_ms: int, model: str, as_source: bool = False) -> bool:
     """Fresh reports and the request's model; a draining worker takes no new requests but may still
     be a fetch source (``as_source``): its block server keeps serving while its sessions move away."""
     return (
@@ -97,7 +97,7 @@ def holders(view: FleetView, req: ChatRequest, now_ms: int, as_source: bool = Fa
     out: list[Holder] = []
     for w, counts in index.match_codes(req.block_hashes).items():
         ws = workers.get(index.worker_name(w))
-        if ws is not None and _is_live(view, ws, now_ms, req.model, as_source):
+        if ws is not None and is_live(view, ws, now_ms, req.model, as_source):
             out.append(Holder(ws, counts))
     out.sort(key=lambda h: (-h.counts[0], h.ws.worker_id))
     return out
@@ -232,7 +232,7 @@ def ahead_of(view: FleetView, req: ChatRequest, now_ms: int) -> dict[str, int]:
     return {
         w: n
         for w, n in active.leading(req.block_hashes).items()
-        if (ws := workers.get(w)) is not None and _is_live(view, ws, now_ms, req.model)
+        if (ws := workers.get(w)) is not None and is_live(view, ws, now_ms, req.model)
     }
 
 
@@ -298,6 +298,6 @@ def session_affinity(
 ) -> list[CandidateScore]:
     """The worker of the session's previous turn while it is live; a new session goes to the least loaded."""
     w = view.session_worker(req.session_id)
-    if w is None or w not in view.workers or not _is_live(view, view.workers[w], now_ms, req.model):
+    if w is None or w not in view.workers or not is_live(view, view.workers[w], now_ms, req.model):
         w = least_loaded_workers(view, live, 1, now_ms)[0]
     return score_set(view, req, now_ms, [w], holders(view, req, now_ms), params, allow_fetch=False)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan
 from services.scheduler.errors import UnknownPolicy
 from services.scheduler.fairness import deadline_rejection, rejection
-from services.scheduler.policies import CandidateScore, ScoringParams, ahead_of, holders, score_set
+from services.scheduler.policies import CandidateScore, ScoringParams, ahead_of, holders, is_live, score_set
 from services.scheduler.registry import HOLDING_POLICIES, POLICIES, POLICY_FUNCS, Policy, prepare_view
 from services.scheduler.view import FleetView
 
@@ -98,11 +98,7 @@ class Router:
     def takes_work(self, worker_id: str, now_ms: int) -> bool:
         """Whether ``worker_id`` is still one to wait for: known, reporting, not draining."""
         ws = self.view.workers.get(worker_id)
-        return (
-            ws is not None
-            and ws.report_ms >= now_ms - self.view.settings.worker_timeout_ms
-            and not ws.report.draining
-        )
+        return ws is not None and is_live(self.view, ws, now_ms, ws.report.model)
 
     def price(self, req: ChatRequest, now_ms: int, worker_id: str) -> CandidateScore:
         """The estimate for ``req`` on one worker, fetch from the best holder included."""

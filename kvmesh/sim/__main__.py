@@ -46,6 +46,7 @@ from kvmesh.workloads import (
 from kvmesh_core.costmodel import load_profile
 from schemas.messages import ChatRequest
 from services.scheduler.router import POLICIES
+from services.scheduler.virtual_clock import AHEAD
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--router", action="append", default=[], metavar="KEY=VALUE", help="RouterSettings override"
+    )
+    p.add_argument(
+        "--held-ahead",
+        type=float,
+        default=AHEAD,
+        metavar="X",
+        help="the share of the held backlog a held request waits behind, which sets how far short "
+        "prompts pass long ones (0: arrival plus work, 1: processor sharing; "
+        "services/scheduler/virtual_clock.py)",
     )
     p.add_argument("--users", type=int, default=32, help="multiturn: conversations")
     p.add_argument("--rounds", type=int, default=6, help="multiturn: rounds per conversation")
@@ -236,6 +246,7 @@ def _run_policies(
             fleet_aware_eviction=not args.lru_eviction,
             router=router,
             truth=args.truth_scale,
+            held_ahead=args.held_ahead,
         )
         started = time.perf_counter()
         bar = tqdm(
@@ -308,6 +319,7 @@ def _run_settings(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
         "block_size": block_size,
         "lag_ms": args.lag_ms,
         "admission": args.admission,
+        "held_ahead": args.held_ahead,
         "fleet_aware_eviction": not args.lru_eviction,
         "truth_scale": args.truth_scale.describe(),
     }

@@ -41,6 +41,7 @@ from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, Worke
 from services.scheduler.fairness import FairDispatcher
 from services.scheduler.router import POLICIES, Router, RouterSettings
 from services.scheduler.view import FleetView, ViewSettings
+from services.scheduler.virtual_clock import AHEAD
 from streams.topics import ASSIGNMENTS, CONTROL, KV_EVENTS, LOAD, REPLIES, REQUESTS, TopicSpec
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class SimConfig:
     view: ViewSettings = field(default_factory=ViewSettings)
     truth: TruthScale = field(default_factory=TruthScale)  # the engine's real speed vs the published
     quantum_tokens: int = 4096  # the FairDispatcher's per-tenant quantum (SchedulerSettings' default)
+    held_ahead: float = AHEAD  # the FairDispatcher's virtual clock (SchedulerSettings.held_ahead)
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 16384:
@@ -96,6 +98,8 @@ class SimConfig:
             raise SimError(f"unknown policy {self.policy!r}; choose from {', '.join(SIM_POLICIES)}")
         if self.lag_ms < 0 or self.heartbeat_ms <= 0 or self.retry_ms <= 0:
             raise SimError("lag_ms must be >= 0, heartbeat_ms and retry_ms > 0")
+        if not self.held_ahead >= 0:  # NaN too
+            raise SimError("held_ahead must be >= 0")
 
 
 @dataclass(slots=True)
@@ -150,7 +154,7 @@ class Simulation:
         # the reference policy reads the workers themselves, at the engine's (fractional) time
         oracle = oracle_policy(self.peers, lambda: self.now) if config.policy == ORACLE else None
         self.router = Router(self.view, settings, scheduler_id="sim-scheduler", policy_func=oracle)
-        self.dispatcher = FairDispatcher(self.router, config.quantum_tokens)
+        self.dispatcher = FairDispatcher(self.router, config.quantum_tokens, config.held_ahead)
         self.now = 0.0
         self.rejected = 0
         self.deferrals = 0

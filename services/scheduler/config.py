@@ -9,6 +9,7 @@ from kvmesh_core.runtime import ShellSettings
 from services.scheduler.registry import POLICIES
 from services.scheduler.router import RouterSettings
 from services.scheduler.view import ViewSettings
+from services.scheduler.virtual_clock import AHEAD
 from streams.settings import KafkaSettings, RedisSettings
 
 
@@ -32,6 +33,10 @@ class SchedulerSettings(ShellSettings):
     max_hold_ms: int = 600_000  # a safety valve, not a pace: see RouterSettings
     # Fair queueing between tenants: deficit round robin quantum, in prompt tokens.
     quantum_tokens: int = 4096
+    # Within a tenant, held requests go by virtual finish time; the share of the held backlog each
+    # one waits behind sets how far short prompts pass long ones (services/scheduler/virtual_clock.py:
+    # 0 is arrival plus work, 1.0 processor sharing).
+    held_ahead: float = Field(default=AHEAD, ge=0.0)
 
     # Fleet view (ViewSettings).
     # An assignment no report covers yet stops counting this long after its worker could have done it.

@@ -7,13 +7,16 @@ tenant's requests are decided before the flood drains::
     round 1:  A +quantum → A1 A2 A3 (until A's deficit is spent)   B +quantum → B1   C → C1 C2
     round 2:  A +quantum → A4 A5 A6 ...
 
-Within a tenant, requests go by *virtual finish time*: arrival plus the least prefill the fleet could do
-for them when they were queued (``policies.least_prefill_ms``: the rest of the prompt after its longest
-cached prefix), ties in arrival order. While the fleet holds (late binding), a request that costs 10 ms
-does not wait behind one that arrived 5 ms earlier and costs 2 s, while one that arrived seconds
-earlier still goes first: a short job's lead is bounded by its own work, so nothing starves, and the
-order needs no tuned constant. A request that finds its tenant's queue empty is decided at once (or
-is the oldest held one), so it is not priced.
+Within a tenant, requests go by *virtual finish time*: the virtual time at arrival plus the least
+prefill the fleet could do for them when they were queued (``policies.least_prefill_ms``: the rest of
+the prompt after its longest cached prefix), ties in arrival order. Virtual time
+(``virtual_clock.py``) runs at real speed while the held backlog fits the fleet and slows as it grows,
+as in weighted fair queueing. While the fleet holds (late binding), a request that costs 10 ms does
+not wait behind one that arrived 5 ms earlier and costs 2 s; one that arrived earlier by more than
+the difference in virtual time still goes first, so nothing starves. The deeper the backlog, the
+further short prompts pass long ones: a fleet past its capacity then serves most requests in a
+fraction of the time FCFS would, and its longest prompts wait longer. A request that finds its
+tenant's queue empty is decided at once (or is the oldest held one), so it is not priced.
 
 While the fleet is overloaded, a request whose best worker has no room (its queue is over
 ``RouterSettings.max_queue_ms``) is *parked* on that worker: it is passed over, not in the way of the
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING
 
 from schemas.messages import ChatRequest, Completion
 from services.scheduler.policies import least_loaded_workers, least_prefill_ms
+from services.scheduler.virtual_clock import AHEAD, VirtualClock
 
 if TYPE_CHECKING:
     from services.scheduler.router import Decision, Router
@@ -194,9 +198,11 @@ class FairDispatcher:
     ``_parked_ms[w]`` is the prefill the router priced for the requests parked on ``w``.
     """
 
-    def __init__(self, router: Router, quantum_tokens: int = 4096) -> None:
+    def __init__(self, router: Router, quantum_tokens: int = 4096, ahead: float = AHEAD) -> None:
         self.router = router
         self.quantum_tokens = max(1, quantum_tokens)
+        self._clock = VirtualClock(ahead)  # the keys' virtual time (virtual_clock.py)
+        self._live_n = 0  # live workers at the last submit: the clock's rate until the next one
         self._queues: dict[str, TenantQueue] = {}
         self._seq = 0
         self._deficit: dict[str, int] = {}
@@ -219,6 +225,10 @@ class FairDispatcher:
         return self._queued
 
     def submit(self, req: ChatRequest) -> None:
+        view = self.router.view
+        # the live count of the request's model: the router asks the same (a cached answer)
+        self._live_n = len(view.live_workers(req.arrival_ms, req.model))
+        self._clock.advance(req.arrival_ms, self._queued, self._live_n)
         q = self._queues.get(req.tenant)
         if q is None:
             q = self._queues[req.tenant] = TenantQueue()
@@ -228,7 +238,7 @@ class FairDispatcher:
             key = -math.inf  # decided at the next drain, or the oldest request held: not priced
         else:
             # priced at its arrival (event time): the same ordered input orders the same way
-            key = req.arrival_ms + least_prefill_ms(self.router.view, req, req.arrival_ms)
+            key = self._clock.at(req.arrival_ms) + least_prefill_ms(view, req, req.arrival_ms)
         self._seq += 1
         q.push(key, self._seq, req)
         self._queued += 1
@@ -256,6 +266,7 @@ class FairDispatcher:
         """
 
         out: list[Decision] = []
+        self._clock.advance(now_ms, self._queued, self._live_n)
         self._expire(now_ms, out)
         router = self.router
         view = router.view

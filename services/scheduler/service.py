@@ -80,7 +80,7 @@ class SchedulerService:
         self.settings = settings
         self.view = FleetView(settings.block_size, settings.view_settings())
         self.router = Router(self.view, settings.router_settings(), settings.scheduler_id)
-        self.dispatcher = FairDispatcher(self.router, settings.quantum_tokens)
+        self.dispatcher = FairDispatcher(self.router, settings.quantum_tokens, settings.held_ahead)
         self.metrics = SchedulerMetrics(
             settings.policy, lambda: self.dispatcher.deferrals, lambda: len(self.dispatcher)
         )

@@ -224,6 +224,11 @@ class FairDispatcher:
     def __len__(self) -> int:
         return self._queued
 
+    @property
+    def held_ahead(self) -> float:
+        """The share of the held backlog its virtual clock counts each request behind."""
+        return self._clock.ahead
+
     def submit(self, req: ChatRequest) -> None:
         view = self.router.view
         # the live count of the request's model: the router asks the same (a cached answer)

@@ -93,3 +93,19 @@ def test_a_long_prompt_is_not_passed_forever() -> None:
     disp.submit(request("much_later", prompt(32, 4), arrival_ms=much_later))
     order = _order(view, disp)
     assert order.index("late") < order.index("long") < order.index("much_later")
+
+
+def test_the_share_is_a_scheduler_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from services.scheduler.config import SchedulerSettings
+    from services.scheduler.service import SchedulerService
+    from services.scheduler.virtual_clock import AHEAD
+
+    assert SchedulerSettings().held_ahead == AHEAD
+    monkeypatch.setenv("KVMESH_SCHEDULER_HELD_AHEAD", "0")
+    service = SchedulerService(SchedulerSettings())  # builds view, router and dispatcher; no I/O yet
+    assert service.dispatcher.held_ahead == 0.0
+    monkeypatch.setenv("KVMESH_SCHEDULER_HELD_AHEAD", "-1")
+    with pytest.raises(ValidationError):
+        SchedulerSettings()

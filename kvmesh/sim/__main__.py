@@ -44,6 +44,7 @@ from kvmesh.workloads import (
     trace_requests,
 )
 from kvmesh_core.costmodel import load_profile
+from kvmesh_core.load_reports import LOAD_INTERVAL_MS
 from schemas.messages import ChatRequest
 from services.scheduler.router import POLICIES
 from services.scheduler.virtual_clock import AHEAD
@@ -89,7 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         "(policies see only the published profile); noise: per-request log-normal prefill sigma",
     )
     p.add_argument("--lag-ms", type=float, default=10.0, help="worker -> scheduler message lag")
-    p.add_argument("--heartbeat-ms", type=float, default=2000.0)
+    p.add_argument(
+        "--heartbeat-ms",
+        type=float,
+        default=float(LOAD_INTERVAL_MS),
+        help="a quiet worker reports this often (default: the live worker's load interval)",
+    )
     p.add_argument(
         "--admission",
         choices=ADMISSIONS,

@@ -17,9 +17,11 @@ request is counted and dropped.
 The engine runs at the *truth* (:mod:`kvmesh.sim.truth`): the published profile times the truth's
 factors. Workers publish the profile, so policies never see the truth except through what they observe.
 
-Workers report after every iteration and, when quiet, every ``heartbeat_ms`` (so the view keeps
-them live). The view is built only from delivered messages, so it lags the truth by ``lag_ms``; a
-decision naming blocks a worker no longer holds falls back to recompute inside the worker.
+Workers report after every iteration and, when quiet, every ``heartbeat_ms``: by default the live
+worker's load interval (``kvmesh_core.load_reports``), so the view follows a long prefill's progress
+as it does live, and keeps them live. The view is built only from delivered messages, so it lags
+the truth by ``lag_ms``; a decision naming blocks a worker no longer holds falls back to recompute
+inside the worker.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvmesh.sim.oracle import ORACLE, oracle_policy
 from kvmesh.sim.truth import TruthScale
 from kvmesh.sim.worker import Admission, Job, SimWorker
 from kvmesh_core.costmodel import PerfProfile
+from kvmesh_core.load_reports import LOAD_INTERVAL_MS
 from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.fairness import FairDispatcher
 from services.scheduler.router import POLICIES, Router, RouterSettings
@@ -78,7 +81,7 @@ class SimConfig:
     policy: str = "kvmesh"
     block_size: int = 16
     lag_ms: float = 10.0
-    heartbeat_ms: float = 2000.0
+    heartbeat_ms: float = float(LOAD_INTERVAL_MS)  # quiet workers report as often as live ones
     retry_ms: float = 50.0
     # how a worker admits assignments while a pull is on its link (kvmesh.sim.worker): "serial" as the
     # live worker; "pass" and "overlap" are what-ifs

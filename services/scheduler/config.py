@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from kvmesh_core.load_reports import LOAD_INTERVAL_MS
 from kvmesh_core.runtime import ShellSettings
 from services.scheduler.registry import POLICIES
 from services.scheduler.router import RouterSettings
@@ -25,7 +26,7 @@ class SchedulerSettings(ShellSettings):
 
     # Routing (RouterSettings).
     policy: str = "kvmesh"
-    max_queue_ms: float = 2_000.0  # late binding: hold requests while every queue is this long
+    max_queue_ms: float = 2.0 * LOAD_INTERVAL_MS  # late binding: hold while every queue is this long
     fetch_min_blocks: int = 1
     tenant_max_inflight: int | None = None
     least_loaded_k: int = 2

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from kvmesh_core.load_reports import LOAD_INTERVAL_MS
 from kvmesh_core.runtime import ShellSettings
 from services.worker.errors import ModelConfigError
 from services.worker.model_configs import MODEL_CONFIGS
@@ -99,7 +100,7 @@ class WorkerSettings(ShellSettings):
     # forward: for hosts where the copy is a DMA; on the CPU build the GIL makes it slower (see README).
     vllm_async_load: bool = False
     # Reporting
-    load_interval_ms: int = 500
+    load_interval_ms: int = LOAD_INTERVAL_MS  # the simulator reports at the same cadence
     calibrate: bool = True
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
 

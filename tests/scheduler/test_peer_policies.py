@@ -156,3 +156,26 @@ def test_peers_route_at_once_where_kvmesh_holds(policy: str) -> None:
     assert held.deferred and held.reason == "overloaded"  # late binding: wait in the scheduler
     d = _fleet(policy, **loads).decide(req, NOW)
     assert d.assignment is not None and not d.deferred  # the peers' defaults have no router queue
+
+
+def test_leading_blocks_of_active_requests_follow_adds_removes_and_lost_workers() -> None:
+    """kvmesh's in-flight prefixes (ActiveBlocks.leading): per worker, the leading blocks of a prompt
+    that its active requests hold, found through the prompts' first blocks, not a scan of the fleet."""
+    active = ActiveBlocks()
+    active.add("a", "w-0", [1, 2, 3, 4])
+    active.add("b", "w-1", [1, 2, 9])
+    active.add("c", "w-1", [7, 8])
+    active.add("a", "w-2", [1, 2, 3, 4])  # the same request again: counted once, where it went first
+    assert active.leading([1, 2, 3, 5]) == {"w-0": 3, "w-1": 2}
+    assert active.leading([7, 8, 10]) == {"w-1": 2}
+    assert active.leading([2, 3]) == {} and active.leading([]) == {}
+    active.add("d", "w-0", [1, 2])
+    active.remove("a")  # "d" still starts with block 1 on w-0
+    assert active.leading([1, 2, 3]) == {"w-0": 2, "w-1": 2}
+    active.remove("d")
+    active.remove("d")  # twice: no effect
+    assert active.leading([1, 2, 3]) == {"w-1": 2}
+    active.drop_worker("w-1")
+    assert active.leading([1, 2, 3]) == {} and active.leading([7]) == {}
+    active.add("e", "w-1", [7])
+    assert active.leading([7, 8]) == {"w-1": 1}

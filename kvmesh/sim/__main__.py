@@ -33,6 +33,7 @@ from kvmesh.sim.metrics import GOAL_POLICIES, issue8_goal
 from kvmesh.sim.oracle import ORACLE
 from kvmesh.sim.peer_goal import MAX_RATIO, MAX_RATIO_TRUTH_DRIFT, add_excess, peer_goal
 from kvmesh.sim.recorder import SimRecorder
+from kvmesh.sim.seeds import goal_tally, median_figures, median_policies, seed_digest, seeded_truths
 from kvmesh.sim.truth import TruthScale
 from kvmesh.sim.worker import ADMISSIONS
 from kvmesh.workloads import (
@@ -71,6 +72,18 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="X,Y,...",
         help="sweep: a --time-scale run per value with issue #8's goal check (trace only; overrides it)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sweep: run each row once per seed 1..N of the truth's per-request prefill noise (2 %% "
+        "when --truth-scale sets none) and report the medians, each seed's figures and in how many "
+        "seeds issue #22's goal held (kvmesh.sim.seeds)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, metavar="J", help="sweep: run J simulations at once (processes)"
     )
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument(
@@ -338,34 +351,52 @@ def _sweep(
     router: dict[str, Any],
     block_size: int,
 ) -> int:
-    """``--time-scales``: the single-scale run once per scale, each with issue #8's goal check."""
+    """``--time-scales``: the single-scale run once per scale (and per seed with ``--seeds``), each
+    with issue #8's and issue #22's goal checks."""
     if not args.trace:
         raise SimError("--time-scales needs --trace")
     if args.record:
         raise SimError("--record needs a single --time-scale")
+    if args.seeds < 0 or args.jobs < 1:
+        raise SimError("--seeds must be >= 0 and --jobs >= 1")
     scales: list[float] = args.time_scales
     quiet = args.json or args.no_progress
     max_ratio = MAX_RATIO if args.truth_scale.prefill <= 1.0 else MAX_RATIO_TRUTH_DRIFT
+    truths = seeded_truths(args.truth_scale, args.seeds)
+    runs = [(scale, truth, policy) for scale in scales for truth in truths for policy in policies]
+    summaries = _sweep_runs(args, runs, profile, router, block_size, quiet)
     sweep: list[dict[str, Any]] = []
-    for scale in tqdm(scales, desc="time scales", unit="scale", disable=quiet, file=sys.stderr):
-        run_args = argparse.Namespace(**{**vars(args), "time_scale": scale})
-        source, total = request_source(run_args, block_size)
-        _, summaries = _run_policies(
-            run_args, policies, profile, router, block_size, source, total, None, quiet, leave=False
-        )
-        real = args.truth_scale.apply(profile.with_block_size(block_size))
-        bound = bound_summary(bound_ttfts_s(source(), real, args.truth_scale))
-        add_excess(summaries, bound)
-        goal = issue8_goal(summaries) if all(p in summaries for p in GOAL_POLICIES) else None
-        sweep.append(
-            {
-                "time_scale": scale,
-                "policies": summaries,
-                "bound": bound,
-                "goal": goal,
-                "peer_goal": peer_goal(summaries, bound, max_ratio),
-            }
-        )
+    for scale in scales:
+        digests: list[dict[str, Any]] = []
+        per_seed: list[dict[str, dict[str, Any]]] = []
+        bounds: list[dict[str, Any]] = []
+        for truth in truths:
+            run_args = argparse.Namespace(**{**vars(args), "time_scale": scale, "truth_scale": truth})
+            source, _ = request_source(run_args, block_size)
+            real = truth.apply(profile.with_block_size(block_size))
+            bound = bound_summary(bound_ttfts_s(source(), real, truth))
+            runs_here = {p: summaries[(scale, truth, p)] for p in policies}
+            add_excess(runs_here, bound)
+            per_seed.append(runs_here)
+            bounds.append(bound)
+            digests.append(seed_digest(truth.seed, bound, runs_here, peer_goal(runs_here, bound, max_ratio)))
+        if len(truths) == 1:
+            row_policies, row_bound = per_seed[0], bounds[0]
+        else:
+            row_policies, row_bound = median_policies(per_seed), median_figures(bounds)
+            add_excess(row_policies, row_bound)
+        goal = issue8_goal(row_policies) if all(p in row_policies for p in GOAL_POLICIES) else None
+        row: dict[str, Any] = {
+            "time_scale": scale,
+            "policies": row_policies,
+            "bound": row_bound,
+            "goal": goal,
+            "peer_goal": peer_goal(row_policies, row_bound, max_ratio),
+        }
+        if args.seeds:
+            row["seeds"] = digests
+            row["peer_goal_seeds"] = goal_tally(digests)
+        sweep.append(row)
     met = [row["time_scale"] for row in sweep if row["goal"] is not None and row["goal"]["met"]]
     peer_met = [
         row["time_scale"] for row in sweep if row["peer_goal"] is not None and row["peer_goal"]["met"]
@@ -376,6 +407,7 @@ def _sweep(
         "goal_met_at": met,
         "peer_goal_met_at": peer_met,
         "time_scales": scales,
+        "seeds": args.seeds,
     }
     if args.plot:
         from kvmesh.sim.plots import write_sweep_plot  # matplotlib only when asked for
@@ -385,6 +417,52 @@ def _sweep(
     if args.json:
         sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
     return 0
+
+
+Run = tuple[float, TruthScale, str]  # (time scale, truth, policy)
+
+
+def _sweep_runs(
+    args: argparse.Namespace,
+    runs: list[Run],
+    profile: Any,
+    router: dict[str, Any],
+    block_size: int,
+    quiet: bool,
+) -> dict[Run, dict[str, Any]]:
+    """Every run's summary; with ``--jobs`` > 1 in that many processes (each run is deterministic on
+    its own, so the figures do not depend on how many ran at once)."""
+    bar = tqdm(total=len(runs), desc="sweep", unit="run", disable=quiet, file=sys.stderr)
+    out: dict[Run, dict[str, Any]] = {}
+    with bar:
+        if args.jobs == 1:
+            for run in runs:
+                out[run] = _one_run(args, run, profile, router, block_size, quiet)
+                bar.update(1)
+            return out
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {
+                pool.submit(_one_run, args, run, profile, router, block_size, True): run for run in runs
+            }
+            for f in as_completed(futures):
+                out[futures[f]] = f.result()
+                bar.update(1)
+    return out
+
+
+def _one_run(
+    args: argparse.Namespace, run: Run, profile: Any, router: dict[str, Any], block_size: int, quiet: bool
+) -> dict[str, Any]:
+    """One policy at one time scale under one truth: its summary."""
+    scale, truth, policy = run
+    run_args = argparse.Namespace(**{**vars(args), "time_scale": scale, "truth_scale": truth})
+    source, total = request_source(run_args, block_size)
+    _, summaries = _run_policies(
+        run_args, [policy], profile, router, block_size, source, total, None, quiet, leave=False
+    )
+    return summaries[policy]
 
 
 def _sweep_table(sweep: list[dict[str, Any]], policies: list[str]) -> str:

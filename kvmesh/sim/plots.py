@@ -94,7 +94,7 @@ def _shade_spans(scales: list[float], met: list[float]) -> list[tuple[float, flo
 
 def plot_time_scale_sweep(sweep: list[dict[str, Any]], met: list[float], path: Path) -> Path:
     """TTFT p50 and p99 per policy against time scale (log y), the bound dashed, the scales where the
-    goal holds shaded.
+    goal holds shaded; with ``--seeds`` each point is the median and its bar spans the seeds.
 
     ``sweep`` rows are ``{"time_scale": x, "policies": {name: summary}, "bound": {...}}`` as
     ``--time-scales`` emits (rows without ``bound`` draw no bound line).
@@ -113,7 +113,24 @@ def plot_time_scale_sweep(sweep: list[dict[str, Any]], met: list[float], path: P
             if policy == ORACLE:  # a reference, not a router one could run: drawn apart
                 ax.plot(scales, ys, color="gray", linestyle=":", marker=".", label=f"{policy} (reference)")
                 continue
-            ax.plot(scales, ys, marker="o", label=policy, linewidth=2.2 if policy == "kvmesh" else 1.2)
+            (line,) = ax.plot(
+                scales, ys, marker="o", label=policy, linewidth=2.2 if policy == "kvmesh" else 1.2
+            )
+            spans = _seed_spans(rows, policy, key)
+            if spans is not None:  # --seeds: the line is the median, the bar each scale's min to max
+                lo, hi = spans
+                ax.errorbar(
+                    scales,
+                    ys,
+                    yerr=[
+                        [y - a for y, a in zip(ys, lo, strict=True)],
+                        [b - y for y, b in zip(ys, hi, strict=True)],
+                    ],
+                    fmt="none",
+                    ecolor=line.get_color(),
+                    capsize=3,
+                    alpha=0.8,
+                )
         if rows and all("bound" in r for r in rows):
             ys = [max(float(r["bound"][key]), 1e-4) for r in rows]
             ax.plot(scales, ys, color="black", linestyle="--", label="bound (no queue, every prefix cached)")
@@ -127,6 +144,20 @@ def plot_time_scale_sweep(sweep: list[dict[str, Any]], met: list[float], path: P
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _seed_spans(rows: list[dict[str, Any]], policy: str, key: str) -> tuple[list[float], list[float]] | None:
+    """Per row, the least and the greatest ``key`` of ``policy`` over the row's seeds (``--seeds``);
+    None when the rows have no seeds."""
+    if not rows or not all(r.get("seeds") for r in rows):
+        return None
+    lo: list[float] = []
+    hi: list[float] = []
+    for r in rows:
+        values = [max(float(d["policies"][policy][key]), 1e-4) for d in r["seeds"]]
+        lo.append(min(values))
+        hi.append(max(values))
+    return lo, hi
 
 
 def write_sweep_plot(sweep: list[dict[str, Any]], met: list[float], out_dir: str | Path) -> Path:

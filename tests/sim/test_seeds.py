@@ -13,6 +13,7 @@ from sim_helpers import tiny_trace
 
 from kvmesh.sim.__main__ import main
 from kvmesh.sim.peer_goal import peer_goal
+from kvmesh.sim.plots import _seed_spans
 from kvmesh.sim.seeds import SEED_NOISE, goal_tally, median_figures, seeded_truths
 from kvmesh.sim.truth import TruthScale
 
@@ -68,8 +69,9 @@ def test_a_seeded_sweep_reports_medians_each_seed_and_the_tally(
     trace = tiny_trace(tmp_path / "trace.jsonl", 120)
     argv = ["--trace", str(trace), "--workers", "3", "--policies", ",".join(POLICIES)]
     argv += ["--time-scales", "0.05", "--json", "--no-progress"]
-    out = _run([*argv, "--seeds", "3"], capsys)
+    out = _run([*argv, "--seeds", "3", "--plot", str(tmp_path / "plots")], capsys)
     assert out["seeds"] == 3
+    assert (tmp_path / "plots" / "time_scale_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     row = out["sweep"][0]
     assert [d["seed"] for d in row["seeds"]] == [1, 2, 3]
     for p in POLICIES:
@@ -95,6 +97,16 @@ def test_a_seeded_sweep_reports_medians_each_seed_and_the_tally(
     for p in POLICIES:
         assert single["sweep"][0]["policies"][p]["ttft_p99_s"] == row["seeds"][1]["policies"][p]["ttft_p99_s"]
     assert "seeds" not in single["sweep"][0] and single["seeds"] == 0
+
+
+def test_the_plot_spans_each_scale_over_its_seeds() -> None:
+    def row(scale: float, p99s: list[float]) -> dict[str, Any]:
+        seeds = [{"policies": {"kvmesh": {"ttft_p99_s": v}}} for v in p99s]
+        return {"time_scale": scale, "policies": {"kvmesh": {}}, "seeds": seeds}
+
+    rows = [row(0.25, [9.3, 11.1, 10.6]), row(1.0, [6.5, 6.4])]
+    assert _seed_spans(rows, "kvmesh", "ttft_p99_s") == ([9.3, 6.4], [11.1, 6.5])
+    assert _seed_spans([{"time_scale": 1.0, "policies": {}}], "kvmesh", "ttft_p99_s") is None
 
 
 def test_seeded_sweep_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,8 +2,8 @@
 system.
 
 An overloaded fleet amplifies tiny differences: on the Mooncake trace at 4x, kvmesh's TTFT p99 was
-9.27, 9.38, 9.32 and 10.6 s with its late-binding threshold at 990, 1,000, 1,010 and 980 ms, and
-9.3-11.1 s over six seeds of a 2 % per-request prefill noise (dynamo's 17.1-20.3 s). A goal read
+10.6, 9.27, 9.38, 9.32 and 10.8 s with its late-binding threshold at 980, 990, 1,000, 1,010 and
+1,020 ms, and 9.3-11.1 s over six seeds of a 2 % per-request prefill noise (dynamo's 17.1-20.3 s). A goal read
 off one run can hold or fail by luck. ``kvmesh simulate --time-scales ... --seeds N`` runs every policy
 once per seed of the truth's per-request noise (``TruthScale.noise``, :data:`SEED_NOISE` when the
 truth has none) and reports, per row:

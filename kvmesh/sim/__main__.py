@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvmesh.sim.bound import bound_summary, bound_ttfts_s
+from kvmesh.sim.bound import bound_by_request, bound_summary, bound_ttfts_s, per_request_excess
 from kvmesh.sim.engine import SIM_POLICIES, SimConfig, SimResult, simulate
 from kvmesh.sim.errors import SimError
 from kvmesh.sim.metrics import GOAL_POLICIES, issue8_goal
@@ -459,9 +459,11 @@ def _one_run(
     scale, truth, policy = run
     run_args = argparse.Namespace(**{**vars(args), "time_scale": scale, "truth_scale": truth})
     source, total = request_source(run_args, block_size)
-    _, summaries = _run_policies(
+    results, summaries = _run_policies(
         run_args, [policy], profile, router, block_size, source, total, None, quiet, leave=False
     )
+    bounds = bound_by_request(source(), truth.apply(profile.with_block_size(block_size)), truth)
+    summaries[policy].update(per_request_excess(results[0].records, bounds))
     return summaries[policy]
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.percentiles import percentile
+from kvmesh.sim.metrics import RequestRecord
 from kvmesh.sim.truth import TruthScale
 from kvmesh_core.costmodel import PerfProfile, recompute_ms
 from kvmesh_core.reuse import reusable_blocks
@@ -55,4 +56,35 @@ def bound_summary(ttfts_s: np.ndarray) -> dict[str, Any]:
         "ttft_p99_s": percentile(ttfts_s, 99),
         "ttft_mean_s": float(ttfts_s.mean()),
         "requests": int(ttfts_s.size),
+    }
+
+
+def bound_by_request(
+    requests: Iterable[ChatRequest], real: PerfProfile, truth: TruthScale
+) -> dict[str, float]:
+    """Every request's bound TTFT in seconds, by request id."""
+    reqs = list(requests)
+    return dict(zip((r.request_id for r in reqs), bound_ttfts_s(reqs, real, truth).tolist(), strict=True))
+
+
+def per_request_excess(records: list[RequestRecord], bound_s: dict[str, float]) -> dict[str, float]:
+    """Percentiles of each request's own excess over its own bound, in seconds.
+
+    The goal's excess is a difference of percentiles: at light load the requests at the TTFT p99 are
+    the longest prompts, which every router starts at once, so it measures a few ms of their luck.
+    This one measures what routing cost each request. Requests without a bound are left out."""
+    ex = np.fromiter(
+        (
+            (r.first_token_ms - r.arrival_ms) / 1000.0 - bound_s[r.request_id]
+            for r in records
+            if r.request_id in bound_s
+        ),
+        float,
+    )
+    if not ex.size:
+        return {}
+    return {
+        "ttft_request_excess_p50_s": percentile(ex, 50),
+        "ttft_request_excess_p99_s": percentile(ex, 99),
+        "ttft_request_excess_mean_s": float(ex.mean()),
     }

@@ -40,6 +40,7 @@ class RequestRecord:
     output_tokens: int
     decided_ms: float = 0.0  # when the scheduler assigned it
     predicted_ms: float = 0.0  # the scheduler's TTFT estimate at that moment (0: none)
+    request_id: str = ""
 
 
 def summarize(

@@ -525,6 +525,7 @@ class SimWorker:
                 req.max_tokens,
                 job.decided_ms,
                 job.predicted_ms,
+                req.request_id,
             )
         )
         self._emit(

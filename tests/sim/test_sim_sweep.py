@@ -115,6 +115,8 @@ def test_cli_sweep_prints_one_json_object_last(tmp_path: Path, capsys: pytest.Ca
         a.pop("wall_s")
         b.pop("wall_s")
         assert a.pop("ttft_p50_excess_s") >= 0 and a.pop("ttft_p99_excess_s") >= 0  # sweep rows only
+        for key in ("p50", "p99", "mean"):
+            assert a.pop(f"ttft_request_excess_{key}_s") >= -1e-9  # each request against its own bound
         assert a == b
 
 

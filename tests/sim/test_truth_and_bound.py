@@ -11,9 +11,10 @@ import pytest
 from sim_helpers import tiny_trace
 
 from kvmesh.sim.__main__ import main
-from kvmesh.sim.bound import bound_ttfts_s
+from kvmesh.sim.bound import bound_ttfts_s, per_request_excess
 from kvmesh.sim.engine import SimConfig, simulate
 from kvmesh.sim.errors import SimError
+from kvmesh.sim.metrics import RequestRecord
 from kvmesh.sim.peer_goal import peer_goal
 from kvmesh.sim.truth import TruthScale
 from kvmesh.workloads import trace_requests
@@ -105,8 +106,10 @@ def test_sweep_runs_every_peer_with_the_bound(tmp_path: Path, capsys: pytest.Cap
         for s in row["policies"].values():
             for key in ("ttft_p50_s", "ttft_p99_s", "kv_hit_fraction", "busy_fraction_spread"):
                 assert key in s
-            # no policy beats the bound at these percentiles
+            # no policy beats the bound at these percentiles, nor any request its own bound
             assert s["ttft_p50_s"] >= row["bound"]["ttft_p50_s"] - 1e-9
+            assert s["ttft_request_excess_p50_s"] >= -1e-9
+            assert s["ttft_request_excess_p99_s"] >= s["ttft_request_excess_p50_s"]
             assert s["prediction_ratio_p50"] > 0
         assert row["peer_goal"]["max_ratio"] == 0.5  # the truth's prefill is slower than published
     again = _run([*argv, "--truth-scale", "prefill=1.3,noise=0.1", "--json"], capsys)
@@ -115,3 +118,21 @@ def test_sweep_runs_every_peer_with_the_bound(tmp_path: Path, capsys: pytest.Cap
             a["policies"][p].pop("wall_s")
             b["policies"][p].pop("wall_s")
         assert a == b  # deterministic, noise included
+
+
+def _record(request_id: str, ttft_ms: float) -> RequestRecord:
+    return RequestRecord(0, 1000.0, 1000.0 + ttft_ms, 5000.0, 64, 0, 0, 64, 8, request_id=request_id)
+
+
+def test_per_request_excess_is_each_request_against_its_own_bound() -> None:
+    # The percentiles of TTFT can agree while the requests' own excesses differ: two long prompts
+    # at their bound, two short ones a second late. The difference of p99s is 0; the requests' is not.
+    bounds = {"long-1": 6.0, "long-2": 6.0, "short-1": 0.05, "short-2": 0.05, "gone": 1.0}
+    records = [_record("long-1", 6000), _record("long-2", 6000), _record("short-1", 1050)]
+    records.append(_record("short-2", 1050))
+    records.append(_record("unbounded", 99000))  # no bound for it: left out
+    ex = per_request_excess(records, bounds)
+    assert ex["ttft_request_excess_p50_s"] == pytest.approx(0.5)
+    assert ex["ttft_request_excess_p99_s"] == pytest.approx(1.0, abs=0.02)
+    assert ex["ttft_request_excess_mean_s"] == pytest.approx(0.5)
+    assert per_request_excess([], bounds) == {}

@@ -303,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SimError("--record needs exactly one policy")
         if args.time_scales is not None:
             return _sweep(args, policies, profile, router, block_size)
+        if args.seeds or args.jobs != 1:
+            raise SimError("--seeds and --jobs need --time-scales (a sweep)")
         source, total = request_source(args, block_size)
         recorder = SimRecorder() if args.record else None
         results, summaries = _run_policies(

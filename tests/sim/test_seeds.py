@@ -115,3 +115,6 @@ def test_seeded_sweep_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main([*argv, "--seeds", "-1"]) == 2
     assert "--seeds" in capsys.readouterr().err
     assert main([*argv, "--jobs", "0"]) == 2
+    single = ["--trace", str(trace), "--policies", "kvmesh", "--time-scale", "0.5", "--no-progress"]
+    assert main([*single, "--seeds", "3"]) == 2  # a single run has no rows to take medians of
+    assert "need --time-scales" in capsys.readouterr().err

@@ -24,9 +24,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
-from kvmesh.sim.bound import bound_by_request, bound_summary, bound_ttfts_s, per_request_excess
+from kvmesh.sim.bound import bound_by_request, bound_summary, per_request_excess
 from kvmesh.sim.engine import SIM_POLICIES, SimConfig, SimResult, simulate
 from kvmesh.sim.errors import SimError
 from kvmesh.sim.metrics import GOAL_POLICIES, issue8_goal
@@ -365,27 +366,32 @@ def _sweep(
     quiet = args.json or args.no_progress
     max_ratio = MAX_RATIO if args.truth_scale.prefill <= 1.0 else MAX_RATIO_TRUTH_DRIFT
     truths = seeded_truths(args.truth_scale, args.seeds)
-    runs = [(scale, truth, policy) for scale in scales for truth in truths for policy in policies]
-    summaries = _sweep_runs(args, runs, profile, router, block_size, quiet)
-    sweep: list[dict[str, Any]] = []
+    # each request's bound, once per scale and truth: the rows' bound and every run's per-request excess
+    bounds: dict[tuple[float, TruthScale], dict[str, float]] = {}
     for scale in scales:
-        digests: list[dict[str, Any]] = []
-        per_seed: list[dict[str, dict[str, Any]]] = []
-        bounds: list[dict[str, Any]] = []
         for truth in truths:
             run_args = argparse.Namespace(**{**vars(args), "time_scale": scale, "truth_scale": truth})
             source, _ = request_source(run_args, block_size)
             real = truth.apply(profile.with_block_size(block_size))
-            bound = bound_summary(bound_ttfts_s(source(), real, truth))
+            bounds[(scale, truth)] = bound_by_request(source(), real, truth)
+    runs = [(scale, truth, policy) for scale in scales for truth in truths for policy in policies]
+    summaries = _sweep_runs(args, runs, bounds, profile, router, block_size, quiet)
+    sweep: list[dict[str, Any]] = []
+    for scale in scales:
+        digests: list[dict[str, Any]] = []
+        per_seed: list[dict[str, dict[str, Any]]] = []
+        seed_bounds: list[dict[str, Any]] = []
+        for truth in truths:
+            bound = bound_summary(np.fromiter(bounds[(scale, truth)].values(), float))
             runs_here = {p: summaries[(scale, truth, p)] for p in policies}
             add_excess(runs_here, bound)
             per_seed.append(runs_here)
-            bounds.append(bound)
+            seed_bounds.append(bound)
             digests.append(seed_digest(truth.seed, bound, runs_here, peer_goal(runs_here, bound, max_ratio)))
         if len(truths) == 1:
-            row_policies, row_bound = per_seed[0], bounds[0]
+            row_policies, row_bound = per_seed[0], seed_bounds[0]
         else:
-            row_policies, row_bound = median_policies(per_seed), median_figures(bounds)
+            row_policies, row_bound = median_policies(per_seed), median_figures(seed_bounds)
             add_excess(row_policies, row_bound)
         goal = issue8_goal(row_policies) if all(p in row_policies for p in GOAL_POLICIES) else None
         row: dict[str, Any] = {
@@ -427,6 +433,7 @@ Run = tuple[float, TruthScale, str]  # (time scale, truth, policy)
 def _sweep_runs(
     args: argparse.Namespace,
     runs: list[Run],
+    bounds: dict[tuple[float, TruthScale], dict[str, float]],
     profile: Any,
     router: dict[str, Any],
     block_size: int,
@@ -439,14 +446,15 @@ def _sweep_runs(
     with bar:
         if args.jobs == 1:
             for run in runs:
-                out[run] = _one_run(args, run, profile, router, block_size, quiet)
+                out[run] = _one_run(args, run, bounds[run[:2]], profile, router, block_size, quiet)
                 bar.update(1)
             return out
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             futures = {
-                pool.submit(_one_run, args, run, profile, router, block_size, True): run for run in runs
+                pool.submit(_one_run, args, run, bounds[run[:2]], profile, router, block_size, True): run
+                for run in runs
             }
             for f in as_completed(futures):
                 out[futures[f]] = f.result()
@@ -455,17 +463,23 @@ def _sweep_runs(
 
 
 def _one_run(
-    args: argparse.Namespace, run: Run, profile: Any, router: dict[str, Any], block_size: int, quiet: bool
+    args: argparse.Namespace,
+    run: Run,
+    bound_s: dict[str, float],
+    profile: Any,
+    router: dict[str, Any],
+    block_size: int,
+    quiet: bool,
 ) -> dict[str, Any]:
-    """One policy at one time scale under one truth: its summary."""
+    """One policy at one time scale under one truth: its summary, with each request's excess over
+    its bound (``bound_s``, by request id)."""
     scale, truth, policy = run
     run_args = argparse.Namespace(**{**vars(args), "time_scale": scale, "truth_scale": truth})
     source, total = request_source(run_args, block_size)
     results, summaries = _run_policies(
         run_args, [policy], profile, router, block_size, source, total, None, quiet, leave=False
     )
-    bounds = bound_by_request(source(), truth.apply(profile.with_block_size(block_size)), truth)
-    summaries[policy].update(per_request_excess(results[0].records, bounds))
+    summaries[policy].update(per_request_excess(results[0].records, bound_s))
     return summaries[policy]
 
 

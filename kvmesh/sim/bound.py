@@ -11,7 +11,7 @@ little; the *excess* of a policy's percentile over the bound's is what routing c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,10 +25,12 @@ from schemas.messages import ChatRequest
 from schemas.token_ids import int_list
 
 
-def bound_ttfts_s(requests: Iterable[ChatRequest], real: PerfProfile, truth: TruthScale) -> np.ndarray:
-    """Every request's bound TTFT in seconds, in arrival order. ``real``: the truth's profile."""
+def _bounds(
+    requests: Iterable[ChatRequest], real: PerfProfile, truth: TruthScale
+) -> Iterator[tuple[str, float]]:
+    """Every request's id and bound TTFT in seconds, in arrival order, streamed (a trace's requests
+    are not all held at once)."""
     seen: set[int] = set()
-    out: list[float] = []
     for req in requests:
         bs = req.block_size
         n_tok = len(req.token_ids)
@@ -42,8 +44,19 @@ def bound_ttfts_s(requests: Iterable[ChatRequest], real: PerfProfile, truth: Tru
             cached += 1
         seen.update(hashes)
         ms = recompute_ms(real, n_tok - cached * bs, cached * bs) * truth.prefill_noise(req.request_id)
-        out.append(ms / 1000.0)
-    return np.asarray(out, dtype=float)
+        yield req.request_id, ms / 1000.0
+
+
+def bound_ttfts_s(requests: Iterable[ChatRequest], real: PerfProfile, truth: TruthScale) -> np.ndarray:
+    """Every request's bound TTFT in seconds, in arrival order. ``real``: the truth's profile."""
+    return np.fromiter((b for _, b in _bounds(requests, real, truth)), float)
+
+
+def bound_by_request(
+    requests: Iterable[ChatRequest], real: PerfProfile, truth: TruthScale
+) -> dict[str, float]:
+    """Every request's bound TTFT in seconds, by request id (in arrival order)."""
+    return dict(_bounds(requests, real, truth))
 
 
 def bound_summary(ttfts_s: np.ndarray) -> dict[str, Any]:
@@ -57,14 +70,6 @@ def bound_summary(ttfts_s: np.ndarray) -> dict[str, Any]:
         "ttft_mean_s": float(ttfts_s.mean()),
         "requests": int(ttfts_s.size),
     }
-
-
-def bound_by_request(
-    requests: Iterable[ChatRequest], real: PerfProfile, truth: TruthScale
-) -> dict[str, float]:
-    """Every request's bound TTFT in seconds, by request id."""
-    reqs = list(requests)
-    return dict(zip((r.request_id for r in reqs), bound_ttfts_s(reqs, real, truth).tolist(), strict=True))
 
 
 def per_request_excess(records: list[RequestRecord], bound_s: dict[str, float]) -> dict[str, float]:

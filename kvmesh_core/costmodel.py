@@ -41,6 +41,9 @@ class PerfProfile:
     gpu_blocks: int = 4096
     dram_blocks: int = 16384
     disk_blocks: int = 65536
+    # The engine's chunked-prefill budget in tokens per iteration (LoadReport.prefill_chunk_tokens);
+    # 0: not known. Sets how many decode steps of a running batch a prefill carries (prefill_iterations).
+    prefill_chunk_tokens: int = 0
 
     @classmethod
     def from_load_report(cls, report: Any) -> PerfProfile:
@@ -59,6 +62,7 @@ class PerfProfile:
             gpu_blocks=tiers.get("gpu", 0),
             dram_blocks=tiers.get("dram", 0),
             disk_blocks=tiers.get("disk", 0),
+            prefill_chunk_tokens=report.prefill_chunk_tokens,
         )
 
     def with_block_size(self, block_size: int) -> PerfProfile:
@@ -169,6 +173,17 @@ def fetch_ms(
     if p.dram_blocks > 0:
         t += promote_ms(p, "dram", n_blocks)
     return t
+
+
+def prefill_iterations(p: PerfProfile, new_tokens: int) -> int:
+    """Engine iterations that a prefill of ``new_tokens`` spans under the chunked-prefill budget, each
+    with one decode step of the running batch: ``ceil(new_tokens / budget)``, at least 1 (a prompt
+    always computes its last token). Prefills queued together share iterations, so a queue's count is
+    that of its summed tokens. 1 when the budget is not known (0)."""
+    chunk = p.prefill_chunk_tokens
+    if chunk <= 0 or new_tokens <= chunk:
+        return 1
+    return -(-new_tokens // chunk)
 
 
 def decode_ms(p: PerfProfile, steps: int) -> float:

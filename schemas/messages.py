@@ -379,6 +379,12 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load_report"):
     # already before them + half the new ones), so the scheduler prices the queue as recompute_ms does
     # (kvmesh_core.costmodel.prefill_ctx). 0: not reported; the scheduler then assumes no cached context.
     queued_prefill_ctx_tokens: float = 0.0
+    #: The most prompt tokens one engine iteration prefills (the chunked-prefill budget: vLLM's
+    #: ``max_num_batched_tokens``, the built-in engine's ``prefill_chunk``). Every iteration of a
+    #: prefill also runs one decode step of the running batch, so a long queued prompt carries as many
+    #: steps as it takes iterations. 0: not reported (an older worker, or an engine that prefills one
+    #: whole prompt per iteration); the scheduler then counts one step for the whole queue, as before.
+    prefill_chunk_tokens: int = 0
     #: What the engine honours of a request's sampling fields (BASE_FEATURES + OPTIONAL_FEATURES):
     #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which
     #: honoured none of them.

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 _TAG = b"kvmesh.load_report.v1\0"
 SIGNATURE_BYTES = 16
+#: LoadReport fields added since signatures began, in the order they came.
+_ADDED_FIELDS = ("prefill_chunk_tokens",)
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(LoadReport)}
 
 
 def _mac(report: LoadReport, secret: bytes) -> bytes:
@@ -34,6 +37,11 @@ def _mac(report: LoadReport, secret: bytes) -> bytes:
     raw = msgspec.msgpack.encode(msgspec.structs.replace(report, signature=b""))
     plain = msgspec.to_builtins(msgspec.msgpack.decode(raw, type=LoadReport), builtin_types=(bytes,))
     del plain["type"]
+    # Fields added to LoadReport after signing began sign only when set: a report from an older worker
+    # (which lacks them) decodes with their defaults and must give the bytes that worker signed.
+    for name in _ADDED_FIELDS:
+        if plain.get(name) == _DEFAULTS[name]:
+            del plain[name]
     body = msgspec.msgpack.encode(plain)
     return hmac.new(secret, _TAG + body, hashlib.sha256).digest()[:SIGNATURE_BYTES]
 

@@ -8,6 +8,7 @@ from kvmesh_core.costmodel import (
     PROFILES,
     fetch_beats_recompute,
     fetch_ms,
+    prefill_iterations,
     promote_ms,
     recompute_ms,
     transfer_ms,
@@ -66,3 +67,10 @@ def test_the_dynamo_mocker_profile_prices_long_prompts_as_the_mocker_does() -> N
         assert abs(ours - theirs) / theirs < 0.05, (n, ours, theirs)
     # the mocker charges nothing for the cached context: neither does the profile
     assert recompute_ms(p, 1000, 50_000) == recompute_ms(p, 1000)
+
+
+def test_a_prefill_spans_one_iteration_per_budget_of_tokens() -> None:
+    p = dataclasses.replace(PROFILES["h100-llama3-8b"], prefill_chunk_tokens=2048)
+    assert [prefill_iterations(p, n) for n in (0, 1, 2048, 2049, 16384, 16385)] == [1, 1, 1, 2, 8, 9]
+    # a worker that reports no budget: one iteration, whatever the length (as before the field)
+    assert prefill_iterations(PROFILES["h100-llama3-8b"], 100_000) == 1

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh_core.costmodel import fetch_ms, promote_ms, recompute_ms
+from kvmesh_core.costmodel import decode_ms, fetch_ms, promote_ms, recompute_ms
 from kvmesh_core.reuse import reusable_blocks
 from schemas.messages import ChatRequest
-from services.scheduler.view import FleetView, WorkerState
+from services.scheduler.view import FleetView, WorkerState, carried_steps
 
 
 @dataclass(slots=True)
@@ -177,6 +177,9 @@ def score_worker(
                 landed = promote_ms(p, "dram", k) if p.dram_blocks > 0 else 0.0
     reused_tokens = (cached + fetch) * bs
     rec = recompute_ms(p, n_tok - reused_tokens, reused_tokens)
+    # a prefill longer than the worker's chunked-prefill budget carries a decode step per iteration
+    # (the queue estimate counts its first)
+    rec += decode_ms(p, max(carried_steps(ws, n_tok - reused_tokens) - 1, 0))
     queue = view.queue_ms(ws, now_ms)
     return CandidateScore(
         worker_id=ws.worker_id,

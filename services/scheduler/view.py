@@ -26,7 +26,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh_core.costmodel import PerfProfile, decode_ms, pull_ms, queued_prefill_ms, recompute_ms
+from kvmesh_core.costmodel import (
+    PerfProfile,
+    decode_ms,
+    prefill_iterations,
+    pull_ms,
+    queued_prefill_ms,
+    recompute_ms,
+)
 from schemas.kv_sequence import KvSequence
 from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.prefix_index import PrefixIndex
@@ -120,9 +127,24 @@ def _report_queue_ms(report: LoadReport, profile: PerfProfile) -> float:
         wait += n * recompute_ms(profile, report.queued_prefill_tokens // n)
     if report.active_requests > 0:
         # A running batch: the new prefill waits for the step in flight (half a step on average), then
-        # runs in an iteration with one more decode step.
-        wait += 1.5 * decode_ms(profile, 1)
+        # runs in an iteration with one more decode step. Where the worker reports its chunked-prefill
+        # budget, each iteration that the queued prompts take carries a step too (a 16k-token prompt
+        # queued on vLLM's 2,048-token budget: eight); without it, as before, the queue carries none.
+        steps = 1.5
+        if profile.prefill_chunk_tokens > 0 and report.queued_prefill_tokens > 0:
+            steps += prefill_iterations(profile, report.queued_prefill_tokens)
+        wait += steps * decode_ms(profile, 1)
     return wait
+
+
+def carried_steps(ws: WorkerState, new_tokens: int) -> int:
+    """The decode steps of ``ws``'s running batch that a prefill of ``new_tokens`` carries there, one
+    per iteration under the worker's reported chunked-prefill budget; 0 while its batch is empty or
+    where it reports no budget (the queue estimate's step and a half then stand for it, as before)."""
+    p = ws.profile
+    if p.prefill_chunk_tokens <= 0 or ws.report.active_requests <= 0:
+        return 0
+    return prefill_iterations(p, new_tokens)
 
 
 @dataclass(slots=True)
@@ -386,7 +408,9 @@ class FleetView:
         ws = self.workers.get(a.worker_id)
         if ws is not None:
             cached = len(req.token_ids) - a.prefill_tokens
-            cost = recompute_ms(ws.profile, a.prefill_tokens, cached)
+            # its prefill and the decode steps it carries: what a request assigned after it waits for
+            steps = carried_steps(ws, a.prefill_tokens)
+            cost = recompute_ms(ws.profile, a.prefill_tokens, cached) + decode_ms(ws.profile, steps)
             pending = ws.pending
             while pending and pending[0].until_ms <= now_ms:
                 ws.pending_total_ms -= pending.popleft().cost_ms

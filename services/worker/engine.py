@@ -187,6 +187,10 @@ class Engine:
         return self.layout.nbytes
 
     @property
+    def prefill_chunk_tokens(self) -> int:
+        return self.cfg.prefill_chunk
+
+    @property
     def features(self) -> tuple[str, ...]:
         # No grammar-constrained decoding: structured output and tool calls are vLLM's.
         return BASE_FEATURES

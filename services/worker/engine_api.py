@@ -169,6 +169,12 @@ class WorkerEngine(Protocol):
     def model_name(self) -> str: ...
 
     @property
+    def prefill_chunk_tokens(self) -> int:
+        """The most prompt tokens one iteration prefills (its chunked-prefill budget); announced in
+        LoadReports so the scheduler counts the decode steps a long prefill carries."""
+        ...
+
+    @property
     def dtype(self) -> str:
         """Element type of the KV cache ("float32", "bfloat16", ...)."""
         ...

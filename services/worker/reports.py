@@ -50,6 +50,7 @@ class WorkerIdentity:
     peer_transfer: bool
     started_ms: int
     features: tuple[str, ...] = ()
+    prefill_chunk_tokens: int = 0  # the engine's chunked-prefill budget (0: not reported)
 
 
 def build_load_report(
@@ -87,6 +88,7 @@ def build_load_report(
         engine=ident.engine,
         peer_transfer=ident.peer_transfer,
         features=list(ident.features),
+        prefill_chunk_tokens=ident.prefill_chunk_tokens,
     )
 
 

@@ -204,6 +204,7 @@ class WorkerService:
             peer_transfer=self._server is not None and self._client is not None,
             started_ms=self._started_ms,
             features=tuple(self.engine.features),
+            prefill_chunk_tokens=self.engine.prefill_chunk_tokens,
         )
 
         self._producer = TypedProducer(s.kafka, producer_id=self.worker_id)

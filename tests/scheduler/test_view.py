@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,3 +75,35 @@ def test_a_worker_announcing_another_block_size_is_refused() -> None:
     # the same worker back with the fleet's size is a member again
     view.apply_load(load("w-1", 1002))
     assert "w-1" in view.workers and "w-1" not in view.refused
+
+
+def test_a_reported_prefill_budget_counts_the_decode_steps_long_prefills_carry() -> None:
+    """Each iteration of a chunked prefill runs a decode step of the batch: a worker that reports its
+    budget gets the queue's iterations, the new prompt's further ones and its pending work's priced."""
+    from kvmesh_core.costmodel import decode_ms
+
+    def view_with(chunk: int, active: int) -> FleetView:
+        view = FleetView(block_size=16)
+        report = load("w-0", 1000, queue_depth=2, queued_prefill_tokens=5000, active_requests=active)
+        view.apply_load(msgspec.structs.replace(report, prefill_chunk_tokens=chunk))
+        return view
+
+    step = decode_ms(view_with(0, 4).workers["w-0"].profile, 1)
+    plain, chunked = view_with(0, 4).workers["w-0"], view_with(512, 4).workers["w-0"]
+    # the queue: ceil(5000 / 512) = 10 iterations beyond the step and a half counted without a budget
+    assert chunked.base_queue_ms - plain.base_queue_ms == pytest.approx(10 * step)
+    # no running batch: nothing to carry, budget or not
+    assert view_with(512, 0).workers["w-0"].base_queue_ms == view_with(0, 0).workers["w-0"].base_queue_ms
+    # the new prompt: 2,000 new tokens in 4 iterations, 3 more steps than one
+    req = request("r1", prompt(2000))
+    with_budget = Router(view_with(512, 4), RouterSettings()).price(req, 1001, "w-0")
+    without = Router(view_with(0, 4), RouterSettings()).price(req, 1001, "w-0")
+    assert with_budget.recompute_ms - without.recompute_ms == pytest.approx(3 * step)
+    assert with_budget.ttft_ms - without.ttft_ms == pytest.approx(13 * step)
+    # what is assigned to it waits ahead of the next request with its steps: 4 more than without
+    views = {chunk: view_with(chunk, 4) for chunk in (0, 512)}
+    for view in views.values():
+        d = Router(view, RouterSettings()).decide(req, 1001)
+        assert d.assignment is not None and d.assignment.worker_id == "w-0"
+    pending = {chunk: view.workers["w-0"].pending_total_ms for chunk, view in views.items()}
+    assert pending[512] - pending[0] == pytest.approx(4 * step)

@@ -38,3 +38,27 @@ def test_the_check_takes_everything_without_a_secret_and_only_verified_reports_w
     assert check.accept(sign(_report(), SECRET))
     assert not check.accept(forged) and not check.accept(sign(forged, b"guess"))
     assert check.refused == 2
+
+
+def _signed_as_before_the_budget_field(report: LoadReport) -> LoadReport:
+    """What a worker from before ``prefill_chunk_tokens`` signed: the canonical body without it."""
+    import hashlib
+    import hmac
+
+    raw = msgspec.msgpack.encode(msgspec.structs.replace(report, signature=b""))
+    plain = msgspec.to_builtins(msgspec.msgpack.decode(raw, type=LoadReport), builtin_types=(bytes,))
+    del plain["type"], plain["prefill_chunk_tokens"]
+    mac = hmac.new(SECRET, b"kvmesh.load_report.v1\0" + msgspec.msgpack.encode(plain), hashlib.sha256)
+    return msgspec.structs.replace(report, signature=mac.digest()[:16])
+
+
+def test_a_report_from_a_worker_before_a_field_was_added_still_verifies() -> None:
+    """A rolling upgrade: older workers' reports lack the fields added since, decode with their defaults,
+    and must still verify; a set value of a new field is signed like any other."""
+    old = _signed_as_before_the_budget_field(_report())
+    assert verify(old, SECRET)
+    assert verify(decode(encode(old, "worker-0", 1, 1000)).message, SECRET)
+    budget = sign(_report(prefill_chunk_tokens=2048), SECRET)
+    assert verify(budget, SECRET) and budget.signature != old.signature
+    assert not verify(msgspec.structs.replace(budget, prefill_chunk_tokens=512), SECRET)
+    assert not verify(msgspec.structs.replace(old, prefill_chunk_tokens=512), SECRET)

@@ -254,6 +254,9 @@ async def test_worker_publishes_load_and_kv_events(fleet: Fleet) -> None:
                     if isinstance(rec.message, LoadReport):
                         seen_load.add(rec.message.worker_id)
                         assert rec.message.transfer_address.startswith("127.0.0.1:")
+                        # its chunked-prefill budget, for the decode steps a long prefill carries
+                        engine = fleet.workers[rec.message.worker_id].engine
+                        assert rec.message.prefill_chunk_tokens == engine.cfg.prefill_chunk > 0  # type: ignore[attr-defined]
                     elif isinstance(rec.message, KvEvent) and rec.message.worker_id == "worker-a":
                         stored.update(rec.message.block_hashes if rec.message.kind == "stored" else [])
     finally:

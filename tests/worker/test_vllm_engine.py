@@ -98,6 +98,8 @@ def test_greedy_output_equals_llm_generate_and_turn_two_reuses_vllm_counted_bloc
     engine: VllmEngine, model_dir: Path
 ) -> None:
     tok = engine.tokenizer
+    # the budget its LoadReports announce is vLLM's own per-step token budget
+    assert engine.prefill_chunk_tokens == engine._sched.scheduler_config.max_num_batched_tokens == 2048
     turn1 = [ChatMessage("system", "You serve the kvmesh fleet. " * 8), ChatMessage("user", "Why cache?")]
     p1 = render_chat(tok, turn1)
     out1, o1 = _run(engine, _req("t1", p1, max_tokens=12))

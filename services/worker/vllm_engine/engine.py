@@ -272,6 +272,11 @@ class VllmEngine:
 
     # ---- WorkerEngine: description and the data plane -------------------------------------------
     @property
+    def prefill_chunk_tokens(self) -> int:
+        # vLLM's token budget per step, after its own adjustments; decoding requests take one each
+        return int(self._sched.max_num_scheduled_tokens)
+
+    @property
     def features(self) -> tuple[str, ...]:
         # vLLM's structured output decoding gives response_format and forced tool calls.
         return BASE_FEATURES + OPTIONAL_FEATURES

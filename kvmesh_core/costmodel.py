@@ -52,7 +52,8 @@ class PerfProfile:
         return cls(
             prefill_ms_per_token=report.prefill_ms_per_token,
             prefill_ms_per_token_per_ctx=report.prefill_ms_per_token_per_ctx,
-            decode_ms_per_step=report.decode_ms_per_step,
+            # the step as the worker runs it now, where it says (the waits are priced in steps)
+            decode_ms_per_step=report.recent_decode_ms_per_step or report.decode_ms_per_step,
             link_gbps=report.link_gbps,
             link_latency_ms=report.link_latency_ms,
             block_bytes=report.block_bytes,

@@ -385,6 +385,16 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load_report"):
     #: steps as it takes iterations. 0: not reported (an older worker, or an engine that prefills one
     #: whole prompt per iteration); the scheduler then counts one step for the whole queue, as before.
     prefill_chunk_tokens: int = 0
+    #: Decode steps until a request queued now gets a place in the engine's running batch, which runs
+    #: at most so many requests (built-in ``max_batch``, vLLM's ``max_num_seqs``): its running
+    #: requests' expected steps left, the queued requests taking the places first
+    #: (services/worker/batch_slots.py). 0: room now, or not reported.
+    slot_wait_steps: int = 0
+    #: The recent mean time of the engine's decode-only steps (ms), as its batch and machine run now:
+    #: ``decode_ms_per_step`` is calibrated on an idle engine with one request, and a full batch's step
+    #: can take many times that (15x on the 2-core box). The scheduler prices every wait it counts in
+    #: steps with it; the intake's check of what can finish keeps the calibrated figure. 0: not measured.
+    recent_decode_ms_per_step: float = 0.0
     #: What the engine honours of a request's sampling fields (BASE_FEATURES + OPTIONAL_FEATURES):
     #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which
     #: honoured none of them.

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 _TAG = b"kvmesh.load_report.v1\0"
 SIGNATURE_BYTES = 16
 #: LoadReport fields added since signatures began, in the order they came.
-_ADDED_FIELDS = ("prefill_chunk_tokens",)
+_ADDED_FIELDS = ("prefill_chunk_tokens", "slot_wait_steps", "recent_decode_ms_per_step")
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(LoadReport)}
 
 

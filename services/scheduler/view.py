@@ -134,6 +134,8 @@ def _report_queue_ms(report: LoadReport, profile: PerfProfile) -> float:
         if profile.prefill_chunk_tokens > 0 and report.queued_prefill_tokens > 0:
             steps += prefill_iterations(profile, report.queued_prefill_tokens)
         wait += steps * decode_ms(profile, 1)
+    # a full batch: the decode steps until a place frees up for it (the worker's own expectation)
+    wait += decode_ms(profile, report.slot_wait_steps)
     return wait
 
 

@@ -36,6 +36,7 @@ from kvmesh_core.reuse import reusable_blocks
 from kvmesh_core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import BASE_FEATURES, KvEvent, TokenLogprob
+from services.worker.batch_slots import DecodeStepMeter, OutputLengths, slot_wait_steps
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
@@ -163,6 +164,8 @@ class Engine:
         self._waiting: list[_Seq] = []
         self._running: list[_Seq] = []
         self._pending: list[StepOutput] = []
+        self._outputs = OutputLengths()  # how long answers run here, for the wait for a batch place
+        self._step_meter = DecodeStepMeter()  # what a decode step of the batch takes now
         self._lock = threading.RLock()
 
     # ---- the WorkerEngine surface beyond requests and steps ------------------------------------
@@ -279,7 +282,9 @@ class Engine:
             decoding = [s for s in self._running if not s.prefilling]
             self._prefill(out)
             if decoding:
+                t0 = time.perf_counter()
                 self._decode(decoding, out)
+                self._step_meter.add((time.perf_counter() - t0) * 1e3)
             return out
 
     def _admit(self, out: list[StepOutput]) -> None:
@@ -435,6 +440,7 @@ class Engine:
         elif len(s.output) >= s.max_tokens or len(s.tokens) >= self.max_context:
             reason = "length"
         if reason is not None:
+            self._outputs.add(len(s.output))
             self._finish(s)
         return StepOutput(
             s.req.request_id, [tok], reason is not None, reason, first, stats, logprobs=[lp] if lp else None
@@ -473,6 +479,13 @@ class Engine:
                 queued_prefill_ctx_tokens=sum(prefill_ctx(s.prompt_len) for s in self._waiting)
                 + sum(prefill_ctx(s.prompt_len - s.n_computed, s.n_computed) for s in active if s.prefilling),
                 tiers=self.kv.tier_usage(),
+                slot_wait_steps=slot_wait_steps(
+                    (self._outputs.steps_left(len(s.output), s.max_tokens) for s in active),
+                    len(self._waiting),
+                    self.cfg.max_batch,
+                    self._outputs.steps_left(0, max((s.max_tokens for s in active), default=1)),
+                ),
+                recent_decode_ms_per_step=self._step_meter.ms or 0.0,
             )
 
     def release_all(self) -> list[KvEvent]:
@@ -491,7 +504,9 @@ class Engine:
         """Measure this machine (services.worker.builtin_calibration)."""
         from services.worker.builtin_calibration import calibrate
 
-        return calibrate(self, short, long, decode_ctx)
+        profile = calibrate(self, short, long, decode_ctx)
+        self._outputs = OutputLengths()  # its one-token answers say nothing of how long real ones run
+        return profile
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -131,6 +131,11 @@ class EngineLoad:
     tiers: list[TierUsage]
     # sum of kvmesh_core.costmodel.prefill_ctx over the queued prompts (0: unknown)
     queued_prefill_ctx_tokens: float = 0.0
+    # decode steps until a request queued now gets a place in a full batch (services/worker/batch_slots)
+    slot_wait_steps: int = 0
+    # the recent mean of the engine's decode-only step times (batch_slots.DecodeStepMeter); 0: none
+    # measured yet
+    recent_decode_ms_per_step: float = 0.0
 
 
 class WorkerEngine(Protocol):

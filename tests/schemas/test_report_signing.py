@@ -41,13 +41,15 @@ def test_the_check_takes_everything_without_a_secret_and_only_verified_reports_w
 
 
 def _signed_as_before_the_budget_field(report: LoadReport) -> LoadReport:
-    """What a worker from before ``prefill_chunk_tokens`` signed: the canonical body without it."""
+    """What a worker from before the fields added since signing began signed: the canonical body
+    without them."""
     import hashlib
     import hmac
 
     raw = msgspec.msgpack.encode(msgspec.structs.replace(report, signature=b""))
     plain = msgspec.to_builtins(msgspec.msgpack.decode(raw, type=LoadReport), builtin_types=(bytes,))
-    del plain["type"], plain["prefill_chunk_tokens"]
+    for name in ("type", "prefill_chunk_tokens", "slot_wait_steps", "recent_decode_ms_per_step"):
+        del plain[name]
     mac = hmac.new(SECRET, b"kvmesh.load_report.v1\0" + msgspec.msgpack.encode(plain), hashlib.sha256)
     return msgspec.structs.replace(report, signature=mac.digest()[:16])
 
@@ -62,3 +64,5 @@ def test_a_report_from_a_worker_before_a_field_was_added_still_verifies() -> Non
     assert verify(budget, SECRET) and budget.signature != old.signature
     assert not verify(msgspec.structs.replace(budget, prefill_chunk_tokens=512), SECRET)
     assert not verify(msgspec.structs.replace(old, prefill_chunk_tokens=512), SECRET)
+    waits = sign(_report(prefill_chunk_tokens=2048, slot_wait_steps=40), SECRET)
+    assert verify(waits, SECRET) and not verify(msgspec.structs.replace(waits, slot_wait_steps=0), SECRET)

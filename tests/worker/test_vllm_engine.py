@@ -226,6 +226,23 @@ def test_abort_ends_the_request_as_cancelled(engine: VllmEngine) -> None:
     assert load.tiers[0].tier == "gpu" and load.tiers[0].total_blocks == 256
 
 
+def test_a_full_batch_reports_the_wait_for_a_place(engine: VllmEngine) -> None:
+    """vLLM runs at most ``max_num_seqs`` requests (8 here): the ninth and tenth wait, and the load
+    says for how many decode steps a request queued now would (the running ones' steps left)."""
+    reqs = [_req(f"slot-{i}", [40 + i] * 40, max_tokens=6 + i) for i in range(10)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    load = engine.load()
+    assert load.active_requests == 8 and load.queue_depth == 2
+    running = sorted(r.max_tokens - r.num_output_tokens for r in engine._sched.running)
+    # before this batch, answers here ran to their limits (the earlier tests'), never past a limit
+    assert 1 <= load.slot_wait_steps <= running[2]
+    while engine.has_work():
+        engine.step()
+    assert engine.load().slot_wait_steps == 0
+
+
 def test_calibration_measures_through_vllm(engine: VllmEngine) -> None:
     p = engine.calibrate(short=64, long=512, decode_ctx=64)
     assert p.prefill_ms_per_token > 0 and p.decode_ms_per_step > 0

@@ -53,6 +53,7 @@ from schemas.messages import (
     TierUsage,
     TokenLogprob,
 )
+from services.worker.batch_slots import DecodeStepMeter, OutputLengths, slot_wait_steps
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
@@ -103,6 +104,7 @@ class _Track:
     started: float
     prompt_len: int
     first_done: bool = False
+    generated: int = 0
 
 
 def check_block_size(block_size: int, on_cpu: bool) -> None:
@@ -199,6 +201,8 @@ class VllmEngine:
         self._events = EventSubscriber(endpoint, replay)
         self.bridge = HashBridge(self.block_size)
         self._tracks: dict[str, _Track] = {}
+        self._outputs = OutputLengths()  # how long answers run here, for the wait for a batch place
+        self._step_meter = DecodeStepMeter()  # what a decode step of the batch takes now
         self._pending: list[StepOutput] = []
         self._reannounce = False
         self._lock = threading.Lock()  # guards the load snapshot only
@@ -388,8 +392,15 @@ class VllmEngine:
                 out.append(StepOutput(rid, [], True, "error", error="vLLM dropped the request"))
             self._refresh_load()
             return out
+        # a step of running requests that have all been prefilled, with none waiting, only decodes
+        sched = self._sched
+        decoding = bool(sched.running) and not sched.waiting
+        decoding = decoding and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        t0 = time.perf_counter()
         try:
             results = self._llm.step()
+            if decoding:
+                self._step_meter.add((time.perf_counter() - t0) * 1e3)
         except Exception as e:  # a failed step ends the requests in it, not the worker
             log.exception("vLLM step failed")
             for rid in list(self._tracks):
@@ -421,8 +432,11 @@ class VllmEngine:
                 )
             finished = bool(r.finished)
             reason = _FINISH.get(c.finish_reason or "stop", "stop") if finished else None
+            t.generated += len(new)
             if finished:
                 self._tracks.pop(r.request_id, None)
+                if reason in ("stop", "length"):
+                    self._outputs.add(t.generated)
             lps = _logprobs(new, c.logprobs, t.req.sampling.logprobs)
             out.append(StepOutput(r.request_id, new, finished, reason, first, stats, logprobs=lps))
         self._refresh_load()
@@ -451,6 +465,7 @@ class VllmEngine:
         pool = sched.kv_cache_manager.block_pool
         free = int(pool.get_num_free_blocks())
         # Free-queue blocks may still hold cached prefixes (evictable): vLLM counts them free, as we do.
+        outputs = self._outputs
         return EngineLoad(
             queue_depth=len(waiting),
             active_requests=len(running),
@@ -461,6 +476,13 @@ class VllmEngine:
                 TierUsage(tier="gpu", free_blocks=free, total_blocks=self._num_blocks),
                 *(t for t in (self.store.tier_usage() if self.store is not None else []) if t.tier != "gpu"),
             ],
+            slot_wait_steps=slot_wait_steps(
+                (outputs.steps_left(r.num_output_tokens, r.max_tokens) for r in running),
+                len(waiting),
+                int(sched.max_num_active_reqs),
+                outputs.steps_left(0, max((r.max_tokens for r in running), default=1)),
+            ),
+            recent_decode_ms_per_step=self._step_meter.ms or 0.0,
         )
 
     def _refresh_load(self) -> None:
@@ -621,6 +643,7 @@ class VllmEngine:
         # vLLM's pool, the connector's store and the bridge, before the fleet hears of them.
         if not self._tracks:
             self.reset_cache()
+        self._outputs = OutputLengths()  # its short answers say nothing of how long real ones run
         return PerfProfile(
             prefill_ms_per_token=a,
             prefill_ms_per_token_per_ctx=b,

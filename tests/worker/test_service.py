@@ -245,11 +245,16 @@ async def test_worker_publishes_load_and_kv_events(fleet: Fleet) -> None:
     await fleet.run(_assign(_request("ev", p1), "worker-a"))
     seen_load: set[str] = set()
     stored: set[int] = set()
+    timed: set[str] = set()  # workers whose reports carry a measured decode step
     consumer = TypedConsumer(fleet.kafka, [topics.LOAD, topics.KV_EVENTS], group_id=None, from_beginning=True)
     await consumer.start()
     try:
         async with asyncio.timeout(20):
-            while not ({"worker-a", "worker-b"} <= seen_load and set(block_hashes(p1, 16, NS)) <= stored):
+            while not (
+                {"worker-a", "worker-b"} <= seen_load
+                and set(block_hashes(p1, 16, NS)) <= stored
+                and "worker-a" in timed
+            ):
                 for rec in await consumer.getmany(timeout_ms=200):
                     if isinstance(rec.message, LoadReport):
                         seen_load.add(rec.message.worker_id)
@@ -257,6 +262,9 @@ async def test_worker_publishes_load_and_kv_events(fleet: Fleet) -> None:
                         # its chunked-prefill budget, for the decode steps a long prefill carries
                         engine = fleet.workers[rec.message.worker_id].engine
                         assert rec.message.prefill_chunk_tokens == engine.cfg.prefill_chunk > 0  # type: ignore[attr-defined]
+                        # the request it ran decoded: its steps as they ran, for the scheduler's waits
+                        if rec.message.recent_decode_ms_per_step > 0:
+                            timed.add(rec.message.worker_id)
                     elif isinstance(rec.message, KvEvent) and rec.message.worker_id == "worker-a":
                         stored.update(rec.message.block_hashes if rec.message.kind == "stored" else [])
     finally:

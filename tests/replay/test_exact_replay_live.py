@@ -116,18 +116,28 @@ def _rewrite(src: Path, dst: Path, keep: object) -> None:
     write_recording(dst, [r for r in (keep(r) for r in read_recording(src)) if r is not None])  # type: ignore[operator]
 
 
+def _applied(
+    recording: Path, capsys: pytest.CaptureFixture[str], topic: str, fraction: int
+) -> tuple[str, RawRecord]:
+    """A record of ``topic`` that the decisions applied: on the partition the last decision had read
+    furthest, 1/``fraction`` of the way to its position. (A record past the last decision's position,
+    an eviction at the end say, damages no decision; which partition's records come last varies run
+    to run.) Its partition key and the record."""
+    intact, _ = _replay(recording, capsys)
+    last = intact["decisions"][-1]["positions"]
+    key = max((k for k in last if k.startswith(f"{topic}/")), key=lambda k: last[k])
+    part = int(key.rsplit("/", 1)[1])
+    records = read_recording(recording)
+    return key, next(
+        r for r in records if r.topic == topic and r.partition == part and r.offset == last[key] // fraction
+    )
+
+
 def test_a_gap_in_a_state_partition_marks_only_the_decisions_after_it(
     recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    records = list(read_recording(recording))
-    intact, _ = _replay(recording, capsys)
-    last = intact["decisions"][-1]["positions"]
-    key = max((k for k in last if k.startswith(f"{LOAD.name}/")), key=lambda k: last[k])
-    part = int(key.rsplit("/", 1)[1])
     # a LoadReport the decisions applied, about half way through
-    victim = next(
-        r for r in records if r.topic == LOAD.name and r.partition == part and r.offset == last[key] // 2
-    )
+    key, victim = _applied(recording, capsys, LOAD.name, 2)
     gapped = tmp_path / "gap.kvrec"
     _rewrite(recording, gapped, lambda r: None if r == victim else r)
     result, _ = _replay(gapped, capsys)
@@ -143,15 +153,7 @@ def test_a_truncated_record_is_named_not_counted_as_a_divergence(
     recording: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     records = list(read_recording(recording))
-    # A KV event that decisions applied: a record after the last decision's positions (an eviction
-    # at the end, say) damages no decision, and which partition's records come last varies run to run.
-    intact, _ = _replay(recording, capsys)
-    last = intact["decisions"][-1]["positions"]
-    key = max((k for k in last if k.startswith(f"{KV_EVENTS.name}/")), key=lambda k: last[k])
-    part = int(key.rsplit("/", 1)[1])
-    victim = next(
-        r for r in records if r.topic == KV_EVENTS.name and r.partition == part and r.offset == last[key] // 3
-    )
+    _, victim = _applied(recording, capsys, KV_EVENTS.name, 3)
 
     def cut(r: RawRecord) -> RawRecord:
         if r is victim or r == victim:

@@ -13,7 +13,7 @@ the event; decisions never read the clock themselves, they read these fields.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -338,6 +338,12 @@ class TierUsage(msgspec.Struct, frozen=True):
     total_blocks: int
 
 
+#: What a LoadReport's newer figures may hold: a report outside these bounds (negative, NaN, or a step
+#: of more than 1,000 s) is malformed and goes to the dead-letter topic instead of into estimates.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+StepMs = Annotated[float, msgspec.Meta(ge=0, le=1e6)]
+
+
 class LoadReport(msgspec.Struct, frozen=True, tag="load_report"):
     """A worker's load and measured speed, keyed by ``worker_id``; also its liveness heartbeat.
 
@@ -384,17 +390,17 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load_report"):
     #: prefill also runs one decode step of the running batch, so a long queued prompt carries as many
     #: steps as it takes iterations. 0: not reported (an older worker, or an engine that prefills one
     #: whole prompt per iteration); the scheduler then counts one step for the whole queue, as before.
-    prefill_chunk_tokens: int = 0
+    prefill_chunk_tokens: Count = 0
     #: Decode steps until a request queued now gets a place in the engine's running batch, which runs
     #: at most so many requests (built-in ``max_batch``, vLLM's ``max_num_seqs``): its running
     #: requests' expected steps left, the queued requests taking the places first
     #: (services/worker/batch_slots.py). 0: room now, or not reported.
-    slot_wait_steps: int = 0
+    slot_wait_steps: Count = 0
     #: The recent mean time of the engine's decode-only steps (ms), as its batch and machine run now:
     #: ``decode_ms_per_step`` is calibrated on an idle engine with one request, and a full batch's step
     #: can take many times that (15x on the 2-core box). The scheduler prices every wait it counts in
     #: steps with it; the intake's check of what can finish keeps the calibrated figure. 0: not measured.
-    recent_decode_ms_per_step: float = 0.0
+    recent_decode_ms_per_step: StepMs = 0.0
     #: What the engine honours of a request's sampling fields (BASE_FEATURES + OPTIONAL_FEATURES):
     #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which
     #: honoured none of them.

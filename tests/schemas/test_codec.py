@@ -225,3 +225,26 @@ def test_fuzz_chat_request_round_trip(tokens: list[int], tenant: str) -> None:
         namespace=ns,
     )
     assert codec.decode(codec.encode(req, "p", 0, 0)).message == req
+
+
+def test_a_load_report_with_an_impossible_figure_is_malformed() -> None:
+    """The figures the scheduler prices waits with cannot be negative or NaN (a broken worker): the
+    report is refused as malformed, to the dead-letter topic, rather than poisoning every estimate."""
+    import math
+
+    import msgspec
+
+    from schemas.messages import LoadReport, TierUsage
+
+    base = LoadReport("w-0", 1, 0, 0, 0, 0, [TierUsage("gpu", 1, 1)], "127.0.0.1:1", 16, 4096, 0.1)
+    fine = msgspec.structs.replace(base, recent_decode_ms_per_step=2.5, slot_wait_steps=40)
+    assert codec.decode(codec.encode(fine, "w-0", 1, 1)).message == fine
+    for bad in (
+        {"recent_decode_ms_per_step": math.nan},
+        {"recent_decode_ms_per_step": -1.0},
+        {"recent_decode_ms_per_step": 1e7},
+        {"slot_wait_steps": -3},
+        {"prefill_chunk_tokens": -1},
+    ):
+        with pytest.raises(InvalidPayload, match=next(iter(bad))):
+            codec.decode(codec.encode(msgspec.structs.replace(base, **bad), "w-0", 1, 1))  # type: ignore[arg-type]

@@ -92,6 +92,17 @@ class WorkerMetrics:
             "kvmesh_worker_queue_depth", "Requests admitted and not finished.", registry=r
         )
         self.queue_depth.set_function(queue_depth)
+        # what the latest LoadReport told the scheduler about the waits it counts in decode steps
+        self.decode_step = Gauge(
+            "kvmesh_worker_decode_step_seconds",
+            "Recent mean time of the engine's decode-only steps (0 before the first).",
+            registry=r,
+        )
+        self.slot_wait_steps = Gauge(
+            "kvmesh_worker_slot_wait_steps",
+            "Decode steps until a request queued now gets a place in the engine's full batch.",
+            registry=r,
+        )
         #: Fetches the cost model turned down (recompute was cheaper); the data plane counts the rest.
         self.fetches_declined = 0
         r.register(_ScrapeTime(self, transfer, tiers))

@@ -681,6 +681,8 @@ class WorkerService:
             return
         load = self.engine.load()
         self._tiers = load.tiers
+        self.metrics.decode_step.set(load.recent_decode_ms_per_step / 1e3)
+        self.metrics.slot_wait_steps.set(load.slot_wait_steps)
         key = (load.queue_depth, load.active_requests, load.active_tokens // 256)
         # Between intervals, report only large changes (a new request queued, one finished).
         if not force and key == self._last_load:

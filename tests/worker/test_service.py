@@ -269,6 +269,8 @@ async def test_worker_publishes_load_and_kv_events(fleet: Fleet) -> None:
                         stored.update(rec.message.block_hashes if rec.message.kind == "stored" else [])
     finally:
         await consumer.stop()
+    # and its metrics say what its latest report said
+    assert fleet.workers["worker-a"].metrics.value("decode_step_seconds") > 0
 
 
 async def test_an_assignment_decided_twice_runs_once(fleet: Fleet) -> None:

@@ -238,6 +238,10 @@ def test_a_full_batch_reports_the_wait_for_a_place(engine: VllmEngine) -> None:
     running = sorted(r.max_tokens - r.num_output_tokens for r in engine._sched.running)
     # before this batch, answers here ran to their limits (the earlier tests'), never past a limit
     assert 1 <= load.slot_wait_steps <= running[2]
+    # the batch is full and two wait: its steps only decode, and they are timed
+    before = engine._step_meter.ms
+    engine.step()
+    assert engine.load().queue_depth == 2 and engine._step_meter.ms not in (None, before)
     while engine.has_work():
         engine.step()
     assert engine.load().slot_wait_steps == 0

@@ -392,9 +392,12 @@ class VllmEngine:
                 out.append(StepOutput(rid, [], True, "error", error="vLLM dropped the request"))
             self._refresh_load()
             return out
-        # a step of running requests that have all been prefilled, with none waiting, only decodes
+        # A step of running requests that have all been prefilled only decodes when none waits, or when
+        # the batch is full (a place a request frees in this step is filled at the next): the overloaded
+        # case, where the step's price matters most.
         sched = self._sched
-        decoding = bool(sched.running) and not sched.waiting
+        full = len(sched.running) >= sched.max_num_running_reqs
+        decoding = bool(sched.running) and (not sched.waiting or full)
         decoding = decoding and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
         t0 = time.perf_counter()
         try:

@@ -16,7 +16,7 @@ average (:class:`OutputLengths`), and never after its own ``max_tokens``::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 #: How much one finished request moves the typical output length (an exponential mean over about
@@ -42,6 +42,12 @@ class OutputLengths:
         ``max_tokens``, at least one."""
         typical = max_tokens if self.mean is None else min(round(self.mean), max_tokens)
         return max(typical - generated, 1) if generated < max_tokens else 1
+
+    def slot_wait(self, running: Sequence[tuple[int, int]], queued: int, slots: int) -> int:
+        """:func:`slot_wait_steps` of a batch whose running requests have each produced so many tokens
+        of their ``max_tokens`` (``(generated, max_tokens)`` pairs): what an engine reports."""
+        typical = self.steps_left(0, max((m for _, m in running), default=1))
+        return slot_wait_steps((self.steps_left(g, m) for g, m in running), queued, slots, typical)
 
 
 def slot_wait_steps(steps_left: Iterable[int], queued: int, slots: int, typical: int) -> int:

@@ -36,7 +36,7 @@ from kvmesh_core.reuse import reusable_blocks
 from kvmesh_core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import BASE_FEATURES, KvEvent, TokenLogprob
-from services.worker.batch_slots import DecodeStepMeter, OutputLengths, slot_wait_steps
+from services.worker.batch_slots import DecodeStepMeter, OutputLengths
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
@@ -479,11 +479,8 @@ class Engine:
                 queued_prefill_ctx_tokens=sum(prefill_ctx(s.prompt_len) for s in self._waiting)
                 + sum(prefill_ctx(s.prompt_len - s.n_computed, s.n_computed) for s in active if s.prefilling),
                 tiers=self.kv.tier_usage(),
-                slot_wait_steps=slot_wait_steps(
-                    (self._outputs.steps_left(len(s.output), s.max_tokens) for s in active),
-                    len(self._waiting),
-                    self.cfg.max_batch,
-                    self._outputs.steps_left(0, max((s.max_tokens for s in active), default=1)),
+                slot_wait_steps=self._outputs.slot_wait(
+                    [(len(s.output), s.max_tokens) for s in active], len(self._waiting), self.cfg.max_batch
                 ),
                 recent_decode_ms_per_step=self._step_meter.ms or 0.0,
             )

@@ -53,7 +53,7 @@ from schemas.messages import (
     TierUsage,
     TokenLogprob,
 )
-from services.worker.batch_slots import DecodeStepMeter, OutputLengths, slot_wait_steps
+from services.worker.batch_slots import DecodeStepMeter, OutputLengths
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
 from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
 from services.worker.errors import ModelConfigError, RequestRejected
@@ -276,6 +276,11 @@ class VllmEngine:
 
     # ---- WorkerEngine: description and the data plane -------------------------------------------
     @property
+    def _batch_places(self) -> int:
+        """How many requests vLLM admits into its running batch (``max_num_seqs`` unless configured)."""
+        return int(self._sched.max_num_active_reqs)
+
+    @property
     def prefill_chunk_tokens(self) -> int:
         # vLLM's token budget per step, after its own adjustments; decoding requests take one each
         return int(self._sched.max_num_scheduled_tokens)
@@ -396,7 +401,7 @@ class VllmEngine:
         # the batch is full (a place a request frees in this step is filled at the next): the overloaded
         # case, where the step's price matters most.
         sched = self._sched
-        full = len(sched.running) >= sched.max_num_running_reqs
+        full = len(sched.running) >= self._batch_places
         decoding = bool(sched.running) and (not sched.waiting or full)
         decoding = decoding and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
         t0 = time.perf_counter()
@@ -468,7 +473,6 @@ class VllmEngine:
         pool = sched.kv_cache_manager.block_pool
         free = int(pool.get_num_free_blocks())
         # Free-queue blocks may still hold cached prefixes (evictable): vLLM counts them free, as we do.
-        outputs = self._outputs
         return EngineLoad(
             queue_depth=len(waiting),
             active_requests=len(running),
@@ -479,11 +483,8 @@ class VllmEngine:
                 TierUsage(tier="gpu", free_blocks=free, total_blocks=self._num_blocks),
                 *(t for t in (self.store.tier_usage() if self.store is not None else []) if t.tier != "gpu"),
             ],
-            slot_wait_steps=slot_wait_steps(
-                (outputs.steps_left(r.num_output_tokens, r.max_tokens) for r in running),
-                len(waiting),
-                int(sched.max_num_active_reqs),
-                outputs.steps_left(0, max((r.max_tokens for r in running), default=1)),
+            slot_wait_steps=self._outputs.slot_wait(
+                [(r.num_output_tokens, r.max_tokens) for r in running], len(waiting), self._batch_places
             ),
             recent_decode_ms_per_step=self._step_meter.ms or 0.0,
         )

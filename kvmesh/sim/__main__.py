@@ -113,12 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admission",
         choices=ADMISSIONS,
-        default="serial",
-        help="how a worker admits assignments while a pull is on its link: serial (as the live worker: "
-        "after it lands), pass (what-if: later ones go ahead of the pulling request), overlap (what-if: "
-        "the pulling request is queued at once and skipped until its blocks land)",
+        default="overlap",
+        help="how a worker admits assignments while a pull is on its link: overlap (as the live worker: "
+        "the pulling request is queued at once and skipped until its blocks land), serial (the live "
+        "worker's setting admission=serial: after it lands), pass (what-if: later ones go ahead of it)",
     )
-    p.add_argument("--overlap-fetch", action="store_true", help="the same as --admission overlap")
     p.add_argument(
         "--lru-eviction",
         action="store_true",
@@ -289,8 +288,6 @@ def _run_policies(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.overlap_fetch:
-        args.admission = "overlap"
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         policies = [p.strip() for p in args.policies.split(",") if p.strip()]

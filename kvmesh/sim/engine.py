@@ -83,9 +83,9 @@ class SimConfig:
     lag_ms: float = 10.0
     heartbeat_ms: float = float(LOAD_INTERVAL_MS)  # quiet workers report as often as live ones
     retry_ms: float = 50.0
-    # how a worker admits assignments while a pull is on its link (kvmesh.sim.worker): "serial" as the
-    # live worker; "pass" and "overlap" are what-ifs
-    admission: Admission = "serial"
+    # how a worker admits assignments while a pull is on its link (kvmesh.sim.worker): "overlap" as the
+    # live worker (WorkerSettings.admission); "serial" the live worker's rule before; "pass" a what-if
+    admission: Admission = "overlap"
     # As live workers do: evict blocks other workers also hold first (kvmesh.sim.cache). False: LRU.
     fleet_aware_eviction: bool = True
     router: dict[str, Any] = field(default_factory=dict)

@@ -19,12 +19,13 @@ it really holds, not what the scheduler believed: a planned block the peer no lo
 there, and the prefill reuses the longest local prefix at the time it starts and recomputes the rest.
 How an assignment meets a pull in flight is ``admission``:
 
-- ``serial`` (the default, what the live worker does: it admits assignments one at a time and awaits
-  each one's pull): an assignment that arrives while a pull is on the link is admitted after it lands;
+- ``overlap`` (the default, what the live worker does, ``WorkerSettings.admission``; vLLM's
+  WAITING_FOR_REMOTE_KVS): the request joins the queue at once and is skipped until its pull lands,
+  keeping its place ahead of those queued after it;
+- ``serial`` (the live worker's rule before, still a setting): assignments are admitted one at a time,
+  each after its own pull, so one that arrives while a pull is on the link is admitted after it lands;
 - ``pass`` (what-if): the pulling request joins the queue when its blocks land, and assignments that
-  arrive meanwhile go ahead of it;
-- ``overlap`` (what-if, vLLM's WAITING_FOR_REMOTE_KVS): the request joins the queue at once and is
-  skipped until its pull lands. After a prefill every full prompt block is
+  arrive meanwhile go ahead of it. After a prefill every full prompt block is
 written to the GPU tier; cache changes go out as KvEvents, and a LoadReport after every iteration.
 """
 
@@ -131,7 +132,7 @@ class SimWorker:
         emit: Emit,
         schedule: Schedule,
         peers: dict[str, SimWorker],
-        admission: Admission = "serial",
+        admission: Admission = "overlap",
         fleet: FleetHolders | None = None,
         truth: TruthScale | None = None,
     ) -> None:

@@ -77,6 +77,11 @@ class WorkerSettings(ShellSettings):
         ),
     )
     fetch_timeout_s: float = 5.0
+    # How an assignment with a transfer plan meets the engine. "overlap": it joins the engine's queue at
+    # once and is passed over until its pull lands (vLLM's WAITING_FOR_REMOTE_KVS), so the requests
+    # behind it do not wait for the link. "serial": it joins after its pull, and every assignment that
+    # arrives meanwhile waits too (the rule before; kept to compare). Pulls go one at a time either way.
+    admission: Literal["overlap", "serial"] = "overlap"
     # Fleet-aware eviction: how many (other worker, block) copies the worker tracks from the fleet's
     # kv-events (about 110 bytes each, see services.worker.fleet_view); past it, copies are not counted.
     fleet_view_max_entries: int = 500_000

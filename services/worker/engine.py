@@ -3,7 +3,9 @@
 One ``step()`` is one iteration of the batch::
 
     admit     waiting requests, FIFO, while the batch has room: reference the cached prefix
-              (KvCacheManager.acquire_prefix, promoting lower-tier blocks) and allocate the rest
+              (KvCacheManager.acquire_prefix, promoting lower-tier blocks) and allocate the rest;
+              a request whose peer blocks are still being pulled keeps its place and is passed over
+              until ``kv_arrived`` (vLLM's WAITING_FOR_REMOTE_KVS)
     prefill   up to ``prefill_chunk`` prompt tokens across prefilling requests (chunked prefill);
               the request whose prompt completes samples its first token
     decode    ONE token for every request past prefill, all in one batched forward
@@ -95,6 +97,7 @@ class _Seq:
     started: float = 0.0
     output: list[int] = field(default_factory=list)
     hist: History | None = None  # only when the request has penalties
+    kv_pending: bool = False  # its pull is on the link: admission passes it over
 
     @property
     def prefilling(self) -> bool:
@@ -249,6 +252,7 @@ class Engine:
             hashes=list(expect),
             gen=torch.Generator().manual_seed(seed),
             hist=History(ids.tolist(), self.model_cfg.vocab_size) if req.sampling.penalized else None,
+            kv_pending=req.kv_pending,
         )
         with self._lock:
             if any(s.req.request_id == req.request_id for s in self._waiting + self._running):
@@ -269,9 +273,15 @@ class Engine:
                         return True
             return False
 
+    def kv_arrived(self, request_id: str) -> None:
+        with self._lock:
+            for s in self._waiting:
+                if s.req.request_id == request_id:
+                    s.kv_pending = False
+
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._waiting or self._running or self._pending)
+            return bool(self._running or self._pending or any(not s.kv_pending for s in self._waiting))
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -289,8 +299,12 @@ class Engine:
 
     def _admit(self, out: list[StepOutput]) -> None:
         bs = self.layout.block_size
-        while self._waiting and len(self._running) < self.cfg.max_batch:
-            s = self._waiting[0]
+        i = 0  # the first waiting request not passed over (those before it still wait for their pull)
+        while i < len(self._waiting) and len(self._running) < self.cfg.max_batch:
+            s = self._waiting[i]
+            if s.kv_pending:
+                i += 1
+                continue
             s.started = time.perf_counter()
             # The last prompt token is always recomputed: its logits give the first output token,
             # and shared blocks are never written.
@@ -302,10 +316,10 @@ class Engine:
                 self.kv.release(hit.block_ids)
                 if self._running:
                     return  # wait for running requests to free blocks; FIFO order is kept
-                self._waiting.pop(0)
+                self._waiting.pop(i)
                 out.append(self._fail(s, "out of KV cache blocks"))
                 continue
-            self._waiting.pop(0)
+            self._waiting.pop(i)
             s.block_ids = hit.block_ids + own
             s.reused_blocks = s.committed = len(hit.block_ids)
             s.n_computed = s.reused_blocks * bs

@@ -9,10 +9,10 @@ default) and vLLM (``services.worker.vllm_engine.VllmEngine``). The service neve
          │   └── load() ◀── EngineLoad: queue, running, KV blocks per tier
          └─ data plane ── block_store (BlockSource + BlockSink) or None: no peer transfer
 
-Threading contract: ``step()`` runs in one worker thread; ``add_request``/``abort`` are called between
-steps by the same task that awaits ``step``; ``load()``, ``lookup_prefix()`` and ``drain_kv_events()``
-may be called from the event loop while a step runs, so engines answer them from state that is safe to
-read then.
+Threading contract: ``step()`` runs in one worker thread; ``add_request``/``abort``/``kv_arrived`` are
+called between steps by the same task that awaits ``step``; ``load()``, ``lookup_prefix()`` and
+``drain_kv_events()`` may be called from the event loop while a step runs, so engines answer them from
+state that is safe to read then.
 
 Invariants every engine keeps:
   * the KvEvents name blocks by the kvmesh chained hash of their tokens and the request's namespace, so
@@ -65,6 +65,9 @@ class EngineRequest:
     expected_reuse_blocks: int = 0
     #: Block size the request's hashes were cut with; an engine of another size refuses the request.
     block_size: int | None = None
+    #: Its planned peer blocks are still on the link: the engine keeps its place in the queue but
+    #: starts it only after ``kv_arrived`` (vLLM's WAITING_FOR_REMOTE_KVS), running the others meanwhile.
+    kv_pending: bool = False
 
 
 def check_request(
@@ -204,7 +207,15 @@ class WorkerEngine(Protocol):
         """Stop a request; the next ``step()`` reports it finished with reason "cancelled"."""
         ...
 
-    def has_work(self) -> bool: ...
+    def kv_arrived(self, request_id: str) -> None:
+        """The pull for a ``kv_pending`` request has ended (landed, partly or not at all): it may start,
+        reusing whatever of its prefix is held by then. Unknown ids are ignored (cancelled meanwhile)."""
+        ...
+
+    def has_work(self) -> bool:
+        """Whether ``step()`` has something to do; a request waiting for its pull is not work (the
+        service wakes the loop with ``kv_arrived``), so a lone pull does not spin the engine thread."""
+        ...
 
     def step(self) -> list[StepOutput]:
         """One iteration of the batch: new tokens, finished requests, first-token stats."""

@@ -34,6 +34,8 @@ class RunningRequest:
     output: list[int] = field(default_factory=list)
     #: The request's stop strings over its output (None: it has none).
     stops: TextStream | None = None
+    #: Overlap admission: queued in the engine while its planned blocks are still being pulled.
+    kv_pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,7 @@ from streams.tasks import stop_tasks
 
 if TYPE_CHECKING:
     from kvmesh_core.costmodel import PerfProfile
+    from services.worker.kv_layout import BlockSink
     from services.worker.transfer import BlockClient, BlockServer
 
 #: How many admitted request ids a worker remembers to refuse a second Assignment of the same id
@@ -114,6 +115,8 @@ class WorkerService:
         # is answered at once rather than after the pull, and a stop fails them instead of losing them.
         self._pending: dict[str, RunningRequest] = {}
         self._admissions: asyncio.Queue[Assignment] = asyncio.Queue()
+        # Overlap admission: pulls of requests already in the engine's queue, one at a time on the link
+        self._pulls: asyncio.Queue[tuple[Assignment, RunningRequest, BlockSink]] = asyncio.Queue()
         # Request ids this worker has taken on (running or done), newest last: an Assignment for one
         # of them (decided again after a rebalance, or by a second replica) is not run twice.
         self._admitted: OrderedDict[str, None] = OrderedDict()
@@ -224,6 +227,7 @@ class WorkerService:
             *self._keyed_tasks(),
             asyncio.create_task(self._fleet_state.run(self._on_fleet_record), name="worker-fleet-state"),
             asyncio.create_task(self._admission_loop(), name="worker-admission"),
+            asyncio.create_task(self._pull_loop(), name="worker-pulls"),
             asyncio.create_task(self._engine_loop(), name="worker-engine"),
             asyncio.create_task(self._load_loop(), name="worker-load"),
         ]
@@ -310,6 +314,7 @@ class WorkerService:
         for rid in [*self._running, *self._pending]:
             await self._finish_error(rid, "worker shutting down")
         self._admissions = asyncio.Queue()
+        self._pulls = asyncio.Queue()
         if self.engine is not None and self._producer is not None:
             # Graceful shutdown: tell the fleet our blocks are gone (bounded: if the broker is already
             # gone, the KV manager's liveness check drops our blocks instead).
@@ -415,8 +420,10 @@ class WorkerService:
             self.fleet.worker_lost(msg.worker_id, msg.declared_ms)
 
     async def _admission_loop(self) -> None:
-        """Admit assignments in arrival order, each after its pull: one that arrives during a pull
-        waits for it, which is the rule the simulator prices (``kvmesh.sim.worker``, ``serial``)."""
+        """Admit assignments in arrival order. Under ``serial`` each waits for its own pull, and one that
+        arrives during a pull waits for it too; under ``overlap`` (the default) a pulling request is
+        queued in the engine at once and passed over until its blocks land, and its pull goes to
+        :meth:`_pull_loop`. The simulator prices both rules (``kvmesh.sim.worker``, ``admission``)."""
         while True:
             a = await self._admissions.get()
             entry = self._pending.get(a.request.request_id)
@@ -439,14 +446,40 @@ class WorkerService:
         # a chained block is useless after a gap.
         sink = self.engine.block_sink()
         if a.fetch and self._client is not None and sink is not None:
-            got = await fetch_planned(
-                a, entry, self._client, sink, self.engine.lookup_prefix, self.worker_id, self._worth_fetching
-            )
-            self.metrics.fetched_blocks.inc(got.fetched_blocks)
-            self.metrics.fetches_declined += got.declined
+            if self.settings.admission == "overlap":
+                entry.kv_pending = True
+                await self._inbox.put(("add", entry))  # before the pull's ("kv", id): the inbox is FIFO
+                self._pulls.put_nowait((a, entry, sink))
+                return
+            await self._pull(a, entry, sink)
         elif a.fetch:
             entry.fallback = f"engine {self.engine.kind} takes no peer blocks; recomputing"
         await self._inbox.put(("add", entry))
+
+    async def _pull(self, a: Assignment, entry: RunningRequest, sink: BlockSink) -> None:
+        assert self._client is not None  # checked by _admit
+        got = await fetch_planned(
+            a, entry, self._client, sink, self.engine.lookup_prefix, self.worker_id, self._worth_fetching
+        )
+        self.metrics.fetched_blocks.inc(got.fetched_blocks)
+        self.metrics.fetches_declined += got.declined
+
+    async def _pull_loop(self) -> None:
+        """Overlap admission's pulls, in arrival order, one at a time (the link is one; the scheduler
+        prices each pull behind those it planned before). Whatever happens to a pull, the engine is
+        told it ended: the request then starts with the blocks that landed and recomputes the rest."""
+        while True:
+            a, entry, sink = await self._pulls.get()
+            rid = a.request.request_id
+            try:
+                if rid in self._pending or rid in self._running:  # not cancelled meanwhile
+                    await self._pull(a, entry, sink)
+            except Exception as e:  # the request still runs: a failed pull means recomputing
+                log.exception("request %s: pull failed", rid)
+                entry.fallback = f"pull failed ({e}); recomputing"
+            finally:
+                entry.kv_pending = False
+                await self._inbox.put(("kv", rid))
 
     def _worth_fetching(self, n_blocks: int, cached_tokens: int) -> bool:
         """The shared cost model with this worker's measured figures (no profile yet: trust the plan)."""
@@ -493,6 +526,7 @@ class WorkerService:
                                 public_prefix_tokens=req.public_prefix_tokens,
                                 expected_reuse_blocks=entry.expected_blocks,
                                 block_size=req.block_size,
+                                kv_pending=entry.kv_pending,
                             )
                         )
                     except RequestRejected as exc:
@@ -504,6 +538,9 @@ class WorkerService:
                             self.engine.tokenizer, req.sampling.stop, req.sampling.min_tokens
                         )
                     self._running[req.request_id] = entry
+                elif kind == "kv":
+                    assert isinstance(item, str)
+                    self.engine.kv_arrived(item)
                 elif kind == "cancel":
                     assert isinstance(item, CancelRequest)
                     # The next step reports the request as finished with reason "cancelled"; that

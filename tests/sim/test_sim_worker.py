@@ -116,12 +116,15 @@ def test_fetch_reads_peer_lower_tiers_lands_in_dram_and_is_promoted_at_prefill()
     )
 
 
-@pytest.mark.parametrize(("admission", "first"), [("serial", "pulled"), ("pass", "local")])
+@pytest.mark.parametrize(
+    ("admission", "first"), [("serial", "pulled"), ("pass", "local"), ("overlap", "local")]
+)
 def test_an_assignment_that_arrives_during_a_pull_waits_for_it_only_under_serial_admission(
     admission: Admission, first: str
 ) -> None:
-    """The live worker admits assignments one at a time and awaits each pull, so one that arrives
-    while a pull is on the link starts after the pulled request ("serial"); "pass" lets it go first."""
+    """Under "serial" a worker admits assignments one at a time and awaits each pull, so one that
+    arrives while a pull is on the link starts after the pulled request; "pass" and "overlap" (the
+    live worker's default) let it go first."""
     h = _Harness(admission)
     w0, w1 = h.peers["w0"], h.peers["w1"]
     pulled = _request(8, "pulled")

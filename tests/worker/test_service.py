@@ -385,15 +385,20 @@ async def _pull_then_queue_behind(fleet: Fleet, peer: StalledPeer, tokens: list[
     await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", tokens), "worker-c"))
 
 
+@pytest.mark.parametrize("admission", ["serial", "overlap"])
 async def test_a_cancel_is_answered_during_a_stalled_pull_and_the_queue_behind_it_still_runs(
-    fleet: Fleet,
+    fleet: Fleet, admission: str
 ) -> None:
     # A long fetch timeout: the peer is released by the test, never by the client giving up, so the
     # cancel is known to have been answered while the pull was still in flight.
-    await fleet.add_worker("worker-c", fetch_timeout_s=120.0)
+    await fleet.add_worker("worker-c", fetch_timeout_s=120.0, admission=admission)
     p1 = _turn1()
     async with StalledPeer() as peer:
         await _pull_then_queue_behind(fleet, peer, p1)
+        if admission == "overlap":
+            # the request behind the pull runs while the pull is still on the link
+            behind = await fleet.completion("behind")
+            assert not peer._release.is_set()
         await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("dropped", p1), "worker-c"))
         for rid in ("pulling", "dropped"):
             await fleet.producer.send(
@@ -405,7 +410,8 @@ async def test_a_cancel_is_answered_during_a_stalled_pull_and_the_queue_behind_i
         assert not peer._release.is_set()
         assert cancelled.finish_reason == "cancelled" and cancelled.output_token_ids == []
         assert dropped.finish_reason == "cancelled" and dropped.output_token_ids == []
-        assert "behind" not in fleet.completions  # admission is serial: it waits for the pull
+        if admission == "serial":
+            assert "behind" not in fleet.completions  # it waits for the pull
         peer.release()
         behind = await fleet.completion("behind")
     assert behind.finish_reason in ("stop", "length") and behind.output_token_ids
@@ -415,16 +421,50 @@ async def test_a_cancel_is_answered_during_a_stalled_pull_and_the_queue_behind_i
     assert fleet.completions["pulling"].finish_reason == "cancelled"
 
 
-async def test_stopping_during_a_stalled_pull_answers_every_request_not_yet_started(fleet: Fleet) -> None:
+async def test_a_request_keeps_its_place_while_its_pull_runs_and_recomputes_what_did_not_land(
+    fleet: Fleet,
+) -> None:
+    """Overlap admission: the pulling request waits in the engine's queue (counted as queued work),
+    the one behind it runs meanwhile, and a pull that brings nothing still lets it run, recomputed,
+    with the same tokens as on a worker that never pulled."""
     worker = await fleet.add_worker("worker-c", fetch_timeout_s=120.0)
+    assert worker.settings.admission == "overlap"  # the default
+    p1 = _turn1()
+    async with StalledPeer() as peer:
+        await _pull_then_queue_behind(fleet, peer, p1)
+        await fleet.completion("behind")
+        assert "pulling" not in fleet.completions
+        load = worker.engine.load()
+        assert load.queue_depth == 1 and load.queued_prefill_tokens == len(p1)
+        assert not worker.engine.has_work()  # a lone pull does not spin the engine thread
+        peer.release()  # the peer closes without a block: the pull lands nothing
+        pulled = await fleet.completion("pulling")
+    alone = await fleet.run(_assign(_request("alone", p1), "worker-a"))
+    assert pulled.finish_reason == alone.finish_reason
+    assert pulled.output_token_ids == alone.output_token_ids
+    assert pulled.fetched_tokens == 0
+    assert worker.engine.load().queue_depth == 0
+
+
+@pytest.mark.parametrize("admission", ["serial", "overlap"])
+async def test_stopping_during_a_stalled_pull_answers_every_request_not_yet_started(
+    fleet: Fleet, admission: str
+) -> None:
+    worker = await fleet.add_worker("worker-c", fetch_timeout_s=120.0, admission=admission)
     async with StalledPeer() as peer:
         await _pull_then_queue_behind(fleet, peer, _turn1())
+        if admission == "serial":
+            async with asyncio.timeout(30):
+                while "behind" not in worker._pending:
+                    await asyncio.sleep(0.05)
         async with asyncio.timeout(30):
-            while "behind" not in worker._pending:
+            while "pulling" not in worker._running and "pulling" not in worker._pending:
                 await asyncio.sleep(0.05)
         await worker.stop()
-        for rid in ("pulling", "behind"):
-            c = await fleet.completion(rid)
+        c = await fleet.completion("pulling")
+        assert c.finish_reason == "error" and c.error == "worker shutting down"
+        if admission == "serial":
+            c = await fleet.completion("behind")
             assert c.finish_reason == "error" and c.error == "worker shutting down"
 
 

@@ -165,6 +165,45 @@ def test_blocks_fetched_from_a_peer_are_loaded_and_give_the_same_answer(engine: 
     assert out == want
 
 
+def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_once_they_land(
+    engine: VllmEngine,
+) -> None:
+    """Overlap admission on vLLM: while the worker pulls a request's blocks, the connector answers
+    "not known yet", vLLM passes the request over and runs the others; once the pull has landed the
+    request loads the blocks and answers as if it had computed them."""
+    p2, hashes, peer, want = _scenario(engine, "overlap")
+    engine.reset_cache()
+    engine.add_request(
+        EngineRequest(
+            "overlap-t2", "s-o", p2, block_hashes(p2, BS, NS_A), NS_A, 10, block_size=BS, kv_pending=True
+        )
+    )
+    other = render_chat(engine.tokenizer, [ChatMessage("user", "Meanwhile, something short.")])
+    engine.add_request(
+        EngineRequest("overlap-other", "s-x", other, block_hashes(other, BS, NS_A), NS_A, 4, block_size=BS)
+    )
+    done: set[str] = set()
+    while engine.has_work():
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert done == {"overlap-other"}  # the waiting one never ran, and the loop did not spin on it
+    assert engine.load().queue_depth == 1
+
+    async def pull() -> int:
+        async with BlockServer(peer, secret=SECRET) as server:
+            return await _fetch(engine, server.address, hashes, NS_A)
+
+    assert asyncio.run(pull()) == len(hashes)
+    engine.kv_arrived("overlap-t2")
+    out: list[int] = []
+    stats = None
+    while engine.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+            stats = o.stats or stats
+    assert stats is not None and stats.promoted_blocks == len(hashes)
+    assert out == want
+
+
 def test_another_tenant_fetches_nothing_and_recomputes(engine: VllmEngine) -> None:
     p2, hashes, peer, want = _scenario(engine, "tenants")
 

@@ -289,3 +289,30 @@ def test_a_feature_the_engine_lacks_is_refused_not_ignored() -> None:
         eng.add_request(
             _req("so", _prompt(20, 1), sampling=SamplingParams(structured=StructuredOutput("json_object")))
         )
+
+
+def test_a_request_waiting_for_its_pull_keeps_its_place_and_the_others_run() -> None:
+    """Overlap admission: a ``kv_pending`` request is passed over (and is no work on its own) until
+    ``kv_arrived``; then it is admitted before requests queued after it, with its solo tokens."""
+    pulled, later, other = _prompt(40, seed=1), _prompt(30, seed=2), _prompt(20, seed=3)
+    solo = _tokens(_run(_engine(), _req("pulled", pulled))["pulled"])
+    eng = _engine(max_batch=1)
+    eng.add_request(_req("pulled", pulled, kv_pending=True))
+    eng.add_request(_req("other", other))
+    done: list[str] = []
+    got: list[int] = []
+    while eng.has_work():
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert done == ["other"]  # ran past the waiting one, which stays queued
+    assert eng.load().queue_depth == 1 and eng.load().queued_prefill_tokens == len(pulled)
+    eng.add_request(_req("later", later))
+    eng.kv_arrived("pulled")
+    eng.kv_arrived("unknown")  # a request cancelled meanwhile: ignored
+    while eng.has_work():
+        for o in eng.step():
+            if o.finished:
+                done.append(o.request_id)
+            if o.request_id == "pulled":
+                got += o.new_token_ids
+    assert done == ["other", "pulled", "later"]  # its place before the one queued after it is kept
+    assert got == solo

@@ -22,9 +22,10 @@ Per scheduler step::
                                                              forward pass
                                                              wait_for_save: vLLM blocks → store (DRAM)
 
-Peer blocks reach the store before the request reaches vLLM: the worker pulls its transfer plan over
-the data plane (asynchronously, while vLLM keeps stepping other requests), and only verified blocks
-enter the store. So every failure of a peer (gone, corrupt or truncated bytes, another tenant) means
+Peer blocks reach the store before vLLM schedules the request: the worker pulls its transfer plan over
+the data plane while vLLM keeps stepping other requests, and until the pull ends the connector answers
+``None`` for the request (its place in the queue is kept; ``ConnectorHub.awaiting_pull``). Only verified
+blocks enter the store. So every failure of a peer (gone, corrupt or truncated bytes, another tenant) means
 fewer blocks in the store, and the connector simply offers fewer: the rest is recomputed, and the output
 is the same. Blocks are opaque to kvmesh: one vLLM block is each layer's ``kv_cache[block_id]`` slab,
 concatenated over layers (``BlockLayout`` tagged with the engine's arrangement).
@@ -104,6 +105,9 @@ class ConnectorHub:
         self.delay_free: set[str] = set()
         self.done_recving: set[str] = set()
         self.done_sending: set[str] = set()
+        #: External ids of requests whose peer blocks the worker is still pulling into the store: the
+        #: scheduler role answers "not known yet", so vLLM keeps each in its place and steps the rest.
+        self.awaiting_pull: set[str] = set()
 
     def take_loaded(self, request_id: str) -> int:
         with self.lock:
@@ -212,6 +216,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         st = self._state(request)
         if st is None:
             return 0, False
+        with self.hub.lock:
+            if external_id(request.request_id) in self.hub.awaiting_pull:
+                # vLLM passes it over this step and keeps its place in the queue (None: not known yet)
+                return None, False
         bs = self.bs
         # The last prompt token is always computed: its logits give the first output token.
         usable = reusable_blocks(request.num_prompt_tokens, bs)

@@ -363,14 +363,37 @@ class VllmEngine:
         prompt = TokensPrompt(
             prompt_token_ids=ids.tolist(), cache_salt=kvmesh_salt(req.namespace, req.public_prefix_tokens)
         )
+        # Before vLLM sees it: its first scheduling pass must already find it waiting for its pull.
+        self._set_awaiting(rid, req.kv_pending)
         try:
             self._llm.add_request(rid, prompt, params)
         except Exception as e:  # vLLM's own validation: a clear error for this request only
+            self._set_awaiting(rid, False)
             raise RequestRejected(f"request {rid}: vLLM refused it: {e}") from e
         self._tracks[rid] = _Track(req, time.perf_counter(), n)
         self._refresh_load()
 
+    def _set_awaiting(self, request_id: str, pulling: bool) -> None:
+        if self._hub is None:
+            return  # no connector: no peer blocks, so nothing is ever pulled for a request
+        with self._hub.lock:
+            if pulling:
+                self._hub.awaiting_pull.add(request_id)
+            else:
+                self._hub.awaiting_pull.discard(request_id)
+
+    def _awaiting(self) -> int:
+        """Tracked requests still waiting for their pull (an id that ended meanwhile is not counted)."""
+        if self._hub is None:
+            return 0
+        with self._hub.lock:
+            return sum(1 for rid in self._hub.awaiting_pull if rid in self._tracks)
+
+    def kv_arrived(self, request_id: str) -> None:
+        self._set_awaiting(request_id, False)
+
     def abort(self, request_id: str) -> bool:
+        self._set_awaiting(request_id, False)
         if self._tracks.pop(request_id, None) is None:
             return False
         self._llm.abort_request([request_id])
@@ -379,7 +402,12 @@ class VllmEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self._pending) or bool(self._tracks) or self._llm.has_unfinished_requests()
+        # Requests waiting for their pull are passed over by vLLM: stepping for them alone would spin.
+        return (
+            bool(self._pending)
+            or len(self._tracks) > self._awaiting()
+            or (not self._tracks and self._llm.has_unfinished_requests())
+        )
 
     def step(self) -> list[StepOutput]:
         # Held for the whole step: shutdown (release_all, from the event loop) waits for a step that

@@ -39,7 +39,14 @@ from kvmesh_core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
 from schemas.messages import BASE_FEATURES, KvEvent, TokenLogprob
 from services.worker.batch_slots import DecodeStepMeter, OutputLengths
-from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
+from services.worker.engine_api import (
+    EngineLoad,
+    EngineRequest,
+    RequestStats,
+    StepOutput,
+    check_request,
+    waiting_prefill,
+)
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.kv_layout import BlockLayout
@@ -273,11 +280,12 @@ class Engine:
                         return True
             return False
 
-    def kv_arrived(self, request_id: str) -> None:
+    def kv_arrived(self, request_id: str, expected_reuse_blocks: int) -> None:
         with self._lock:
             for s in self._waiting:
                 if s.req.request_id == request_id:
                     s.kv_pending = False
+                    s.req.expected_reuse_blocks = expected_reuse_blocks
 
     def has_work(self) -> bool:
         with self._lock:
@@ -483,14 +491,18 @@ class Engine:
     def load(self) -> EngineLoad:
         with self._lock:
             active = list(self._running)
+            # a waiting request's reuse is known only when it starts: until then, what the scheduler
+            # expected (new tokens, cached context), as the simulator's workers report
+            waiting = [
+                (n, s.prompt_len - n) for s in self._waiting for n in [waiting_prefill(s.req, s.prompt_len)]
+            ]
             return EngineLoad(
                 queue_depth=len(self._waiting),
                 active_requests=len(active),
                 active_tokens=sum(len(s.tokens) for s in active),
-                queued_prefill_tokens=sum(s.prompt_len for s in self._waiting)
+                queued_prefill_tokens=sum(n for n, _ in waiting)
                 + sum(s.prompt_len - s.n_computed for s in active if s.prefilling),
-                # waiting prompts count as uncached: their reuse is only known when they start
-                queued_prefill_ctx_tokens=sum(prefill_ctx(s.prompt_len) for s in self._waiting)
+                queued_prefill_ctx_tokens=sum(prefill_ctx(n, c) for n, c in waiting)
                 + sum(prefill_ctx(s.prompt_len - s.n_computed, s.n_computed) for s in active if s.prefilling),
                 tiers=self.kv.tier_usage(),
                 slot_wait_steps=self._outputs.slot_wait(

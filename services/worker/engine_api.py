@@ -46,6 +46,7 @@ __all__ = [
     "StepOutput",
     "WorkerEngine",
     "check_request",
+    "waiting_prefill",
 ]
 
 
@@ -68,6 +69,17 @@ class EngineRequest:
     #: Its planned peer blocks are still on the link: the engine keeps its place in the queue but
     #: starts it only after ``kv_arrived`` (vLLM's WAITING_FOR_REMOTE_KVS), running the others meanwhile.
     kv_pending: bool = False
+    #: The scheduler's estimate of the prompt tokens this worker computes (Assignment.prefill_tokens:
+    #: the prompt past the blocks it expects held or pulled). While the request waits, the engine
+    #: reports this much queued prefill, as the simulator's workers do; None: the whole prompt.
+    expected_prefill_tokens: int | None = None
+
+
+def waiting_prefill(req: EngineRequest, prompt_len: int) -> int:
+    """Prompt tokens a waiting request is expected to compute: the scheduler's estimate when it sent
+    one (at least the last token, which always runs; at most the prompt), else the whole prompt."""
+    n = req.expected_prefill_tokens
+    return prompt_len if n is None else min(max(n, 1), prompt_len)
 
 
 def check_request(
@@ -207,9 +219,10 @@ class WorkerEngine(Protocol):
         """Stop a request; the next ``step()`` reports it finished with reason "cancelled"."""
         ...
 
-    def kv_arrived(self, request_id: str) -> None:
+    def kv_arrived(self, request_id: str, expected_reuse_blocks: int) -> None:
         """The pull for a ``kv_pending`` request has ended (landed, partly or not at all): it may start,
-        reusing whatever of its prefix is held by then. Unknown ids are ignored (cancelled meanwhile)."""
+        reusing whatever of its prefix is held by then; ``expected_reuse_blocks`` now counts the blocks
+        that landed. Unknown ids are ignored (cancelled meanwhile)."""
         ...
 
     def has_work(self) -> bool:

@@ -36,6 +36,8 @@ class RunningRequest:
     stops: TextStream | None = None
     #: Overlap admission: queued in the engine while its planned blocks are still being pulled.
     kv_pending: bool = False
+    #: The assignment's estimate of the prompt tokens to compute here (Assignment.prefill_tokens).
+    expected_prefill_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

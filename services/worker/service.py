@@ -376,7 +376,10 @@ class WorkerService:
                 self._admitted.popitem(last=False)
             self.metrics.assignments.labels("accepted").inc()
             self._pending[rid] = RunningRequest(
-                request=msg.request, started=time.perf_counter(), expected_blocks=msg.reuse_blocks
+                request=msg.request,
+                started=time.perf_counter(),
+                expected_blocks=msg.reuse_blocks,
+                expected_prefill_tokens=msg.prefill_tokens,
             )
             self._admissions.put_nowait(msg)
         elif isinstance(msg, CancelRequest):
@@ -479,7 +482,7 @@ class WorkerService:
                 entry.fallback = f"pull failed ({e}); recomputing"
             finally:
                 entry.kv_pending = False
-                await self._inbox.put(("kv", rid))
+                await self._inbox.put(("kv", entry))
 
     def _worth_fetching(self, n_blocks: int, cached_tokens: int) -> bool:
         """The shared cost model with this worker's measured figures (no profile yet: trust the plan)."""
@@ -527,6 +530,7 @@ class WorkerService:
                                 expected_reuse_blocks=entry.expected_blocks,
                                 block_size=req.block_size,
                                 kv_pending=entry.kv_pending,
+                                expected_prefill_tokens=entry.expected_prefill_tokens,
                             )
                         )
                     except RequestRejected as exc:
@@ -539,8 +543,8 @@ class WorkerService:
                         )
                     self._running[req.request_id] = entry
                 elif kind == "kv":
-                    assert isinstance(item, str)
-                    self.engine.kv_arrived(item)
+                    assert isinstance(item, RunningRequest)
+                    self.engine.kv_arrived(item.request.request_id, item.expected_blocks)
                 elif kind == "cancel":
                     assert isinstance(item, CancelRequest)
                     # The next step reports the request as finished with reason "cancelled"; that

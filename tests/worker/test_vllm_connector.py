@@ -173,9 +173,18 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_onc
     request loads the blocks and answers as if it had computed them."""
     p2, hashes, peer, want = _scenario(engine, "overlap")
     engine.reset_cache()
+    expected = len(p2) - len(hashes) * BS  # what the scheduler expects computed after the pull
     engine.add_request(
         EngineRequest(
-            "overlap-t2", "s-o", p2, block_hashes(p2, BS, NS_A), NS_A, 10, block_size=BS, kv_pending=True
+            "overlap-t2",
+            "s-o",
+            p2,
+            block_hashes(p2, BS, NS_A),
+            NS_A,
+            10,
+            block_size=BS,
+            kv_pending=True,
+            expected_prefill_tokens=expected,
         )
     )
     other = render_chat(engine.tokenizer, [ChatMessage("user", "Meanwhile, something short.")])
@@ -186,14 +195,15 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_onc
     while engine.has_work():
         done |= {o.request_id for o in engine.step() if o.finished}
     assert done == {"overlap-other"}  # the waiting one never ran, and the loop did not spin on it
-    assert engine.load().queue_depth == 1
+    load = engine.load()
+    assert load.queue_depth == 1 and load.queued_prefill_tokens == expected
 
     async def pull() -> int:
         async with BlockServer(peer, secret=SECRET) as server:
             return await _fetch(engine, server.address, hashes, NS_A)
 
     assert asyncio.run(pull()) == len(hashes)
-    engine.kv_arrived("overlap-t2")
+    engine.kv_arrived("overlap-t2", len(hashes))
     out: list[int] = []
     stats = None
     while engine.has_work():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmesh_core.costmodel import prefill_ctx
 from kvmesh_core.tokenizer import ByteTokenizer, ChatMessage, render_chat
 from schemas.blocks import block_hashes
 from schemas.messages import SamplingParams
@@ -297,22 +298,30 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_the_others_run() -> 
     pulled, later, other = _prompt(40, seed=1), _prompt(30, seed=2), _prompt(20, seed=3)
     solo = _tokens(_run(_engine(), _req("pulled", pulled))["pulled"])
     eng = _engine(max_batch=1)
-    eng.add_request(_req("pulled", pulled, kv_pending=True))
+    # the scheduler expected 32 of its 40 tokens from the pull: 8 are queued prefill, over 32 cached
+    eng.add_request(_req("pulled", pulled, kv_pending=True, expected_prefill_tokens=8))
     eng.add_request(_req("other", other))
     done: list[str] = []
     got: list[int] = []
     while eng.has_work():
         done += [o.request_id for o in eng.step() if o.finished]
     assert done == ["other"]  # ran past the waiting one, which stays queued
-    assert eng.load().queue_depth == 1 and eng.load().queued_prefill_tokens == len(pulled)
+    load = eng.load()
+    assert load.queue_depth == 1 and load.queued_prefill_tokens == 8
+    assert load.queued_prefill_ctx_tokens == prefill_ctx(8, 32)
     eng.add_request(_req("later", later))
-    eng.kv_arrived("pulled")
-    eng.kv_arrived("unknown")  # a request cancelled meanwhile: ignored
+    assert eng.load().queued_prefill_tokens == 8 + len(later)  # no estimate: the whole prompt
+    eng.kv_arrived("pulled", 2)  # its pull brought nothing: it expected 2 blocks (32 tokens)
+    eng.kv_arrived("unknown", 0)  # a request cancelled meanwhile: ignored
+    outs: list[StepOutput] = []
     while eng.has_work():
         for o in eng.step():
+            outs.append(o)
             if o.finished:
                 done.append(o.request_id)
             if o.request_id == "pulled":
                 got += o.new_token_ids
     assert done == ["other", "pulled", "later"]  # its place before the one queued after it is kept
     assert got == solo
+    [first] = [o for o in outs if o.request_id == "pulled" and o.stats is not None]
+    assert first.stats.fallback == "expected 2 cached blocks, found 0; recomputed"

@@ -55,7 +55,14 @@ from schemas.messages import (
 )
 from services.worker.batch_slots import DecodeStepMeter, OutputLengths
 from services.worker.calibration import calibration_lengths, fit_prefill_cost
-from services.worker.engine_api import EngineLoad, EngineRequest, RequestStats, StepOutput, check_request
+from services.worker.engine_api import (
+    EngineLoad,
+    EngineRequest,
+    RequestStats,
+    StepOutput,
+    check_request,
+    waiting_prefill,
+)
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.vllm_engine.event_subscriber import EventSubscriber
@@ -389,7 +396,10 @@ class VllmEngine:
         with self._hub.lock:
             return sum(1 for rid in self._hub.awaiting_pull if rid in self._tracks)
 
-    def kv_arrived(self, request_id: str) -> None:
+    def kv_arrived(self, request_id: str, expected_reuse_blocks: int) -> None:
+        t = self._tracks.get(request_id)
+        if t is not None:
+            t.req.expected_reuse_blocks = expected_reuse_blocks
         self._set_awaiting(request_id, False)
 
     def abort(self, request_id: str) -> bool:
@@ -491,10 +501,13 @@ class VllmEngine:
         sched = self._sched
         waiting = list(sched.waiting)
         running = list(sched.running)
-        queued = sum(r.num_prompt_tokens for r in waiting) + sum(
+        # a waiting request's reuse is known only when vLLM schedules it: until then, what the
+        # scheduler expected (new tokens, cached context), as the simulator's workers report
+        news = [(self._waiting_prefill(r), r.num_prompt_tokens) for r in waiting]
+        queued = sum(n for n, _ in news) + sum(
             max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running
         )
-        ctx = sum(prefill_ctx(r.num_prompt_tokens) for r in waiting) + sum(
+        ctx = sum(prefill_ctx(n, p - n) for n, p in news) + sum(
             prefill_ctx(max(r.num_prompt_tokens - r.num_computed_tokens, 0), r.num_computed_tokens)
             for r in running
         )
@@ -516,6 +529,11 @@ class VllmEngine:
             ),
             recent_decode_ms_per_step=self._step_meter.ms or 0.0,
         )
+
+    def _waiting_prefill(self, r: Any) -> int:
+        # vLLM's scheduler knows a request by the id it was given plus "-<8 chars>"
+        t = self._tracks.get(r.request_id) or self._tracks.get(r.request_id.rsplit("-", 1)[0])
+        return r.num_prompt_tokens if t is None else waiting_prefill(t.req, r.num_prompt_tokens)
 
     def _refresh_load(self) -> None:
         snap = self._snapshot_load()

@@ -30,6 +30,7 @@ class WorkerMetrics:
         transfer: TransferMetrics,
         tiers: Callable[[], list[TierUsage]],
         queue_depth: Callable[[], int],
+        pulls: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram(
@@ -92,6 +93,13 @@ class WorkerMetrics:
             "kvmesh_worker_queue_depth", "Requests admitted and not finished.", registry=r
         )
         self.queue_depth.set_function(queue_depth)
+        self.pulls = Gauge(
+            "kvmesh_worker_pulls",
+            "Requests whose planned peer blocks are being pulled or wait for the link (under overlap "
+            "admission they wait in the engine's queue meanwhile).",
+            registry=r,
+        )
+        self.pulls.set_function(pulls)
         # what the latest LoadReport told the scheduler about the waits it counts in decode steps
         self.decode_step = Gauge(
             "kvmesh_worker_decode_step_seconds",

@@ -134,7 +134,10 @@ class WorkerService:
 
         self.transfer_metrics = TransferMetrics()
         self._tiers: list[TierUsage] = []  # as of the last LoadReport, for /metrics
-        self.metrics = WorkerMetrics(self.transfer_metrics, lambda: self._tiers, lambda: len(self._running))
+        self._pulls_open = 0  # requests whose pull has not ended (queued for the link or on it)
+        self.metrics = WorkerMetrics(
+            self.transfer_metrics, lambda: self._tiers, lambda: len(self._running), lambda: self._pulls_open
+        )
         self.metrics.registry.register(
             ConsumerCollector(
                 "worker",
@@ -315,6 +318,7 @@ class WorkerService:
             await self._finish_error(rid, "worker shutting down")
         self._admissions = asyncio.Queue()
         self._pulls = asyncio.Queue()
+        self._pulls_open = 0
         if self.engine is not None and self._producer is not None:
             # Graceful shutdown: tell the fleet our blocks are gone (bounded: if the broker is already
             # gone, the KV manager's liveness check drops our blocks instead).
@@ -449,12 +453,16 @@ class WorkerService:
         # a chained block is useless after a gap.
         sink = self.engine.block_sink()
         if a.fetch and self._client is not None and sink is not None:
+            self._pulls_open += 1
             if self.settings.admission == "overlap":
                 entry.kv_pending = True
                 await self._inbox.put(("add", entry))  # before the pull's ("kv", id): the inbox is FIFO
                 self._pulls.put_nowait((a, entry, sink))
                 return
-            await self._pull(a, entry, sink)
+            try:
+                await self._pull(a, entry, sink)
+            finally:
+                self._pulls_open -= 1
         elif a.fetch:
             entry.fallback = f"engine {self.engine.kind} takes no peer blocks; recomputing"
         await self._inbox.put(("add", entry))
@@ -481,6 +489,7 @@ class WorkerService:
                 log.exception("request %s: pull failed", rid)
                 entry.fallback = f"pull failed ({e}); recomputing"
             finally:
+                self._pulls_open -= 1
                 entry.kv_pending = False
                 await self._inbox.put(("kv", entry))
 

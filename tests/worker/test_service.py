@@ -437,8 +437,10 @@ async def test_a_request_keeps_its_place_while_its_pull_runs_and_recomputes_what
         load = worker.engine.load()
         assert load.queue_depth == 1 and load.queued_prefill_tokens == len(p1)
         assert not worker.engine.has_work()  # a lone pull does not spin the engine thread
+        assert worker.metrics.value("pulls") == 1
         peer.release()  # the peer closes without a block: the pull lands nothing
         pulled = await fleet.completion("pulling")
+    assert worker.metrics.value("pulls") == 0
     alone = await fleet.run(_assign(_request("alone", p1), "worker-a"))
     assert pulled.finish_reason == alone.finish_reason
     assert pulled.output_token_ids == alone.output_token_ids

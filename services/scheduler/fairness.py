@@ -11,11 +11,13 @@ Within a tenant, requests go by *virtual finish time*: the virtual time at arriv
 prefill the fleet could do for them when they were queued (``policies.least_prefill_ms``: the rest of
 the prompt after its longest cached prefix), ties in arrival order. Virtual time
 (``virtual_clock.py``) runs at real speed while the held backlog fits the fleet and slows as it grows,
-as in weighted fair queueing. While the fleet holds (late binding), a request that costs 10 ms does
-not wait behind one that arrived 5 ms earlier and costs 2 s; one that arrived earlier by more than
-the difference in virtual time still goes first, so nothing starves. The deeper the backlog, the
-further short prompts pass long ones: a fleet past its capacity then serves most requests in a
-fraction of the time FCFS would, and its longest prompts wait longer. A request that finds its
+as in weighted fair queueing; each model has its own clock, run by its held requests over its live
+workers, so a small model's backlog does not slow the order of a large one's. While the fleet holds
+(late binding), a request that costs 10 ms does not wait behind one that arrived 5 ms earlier and
+costs 2 s; one that arrived earlier by more than the difference in virtual time still goes first, so
+nothing starves. The deeper the backlog, the further short prompts pass long ones: a fleet past its
+capacity then serves most requests in a fraction of the time FCFS would, and its longest prompts wait
+longer. A request that finds its
 tenant's queue empty is decided at once (or is the oldest held one), so it is not priced.
 
 While the fleet is overloaded, a request whose best worker has no room (its queue is over
@@ -201,10 +203,14 @@ class FairDispatcher:
     def __init__(self, router: Router, quantum_tokens: int = 4096, ahead: float = AHEAD) -> None:
         self.router = router
         self.quantum_tokens = max(1, quantum_tokens)
-        self._clock = VirtualClock(ahead)  # the keys' virtual time (virtual_clock.py)
-        # live workers of the last submitted request's model: the clock's rate until the next submit
-        # (one clock for all models; a fleet serving several counts the held requests of all)
-        self._live_n = 0
+        VirtualClock(ahead)  # checks ``ahead`` now rather than at the first request
+        self._ahead = ahead
+        # The keys' virtual time (virtual_clock.py), one clock per model: each model's held requests
+        # wait for its own workers, so its backlog over its live workers sets its clock's rate.
+        self._clocks: dict[str, VirtualClock] = {}
+        self._held_by_model: Counter[str] = Counter()
+        # live workers of each model as of its last submitted request (the router asks the same)
+        self._live_by_model: dict[str, int] = {}
         self._queues: dict[str, TenantQueue] = {}
         self._seq = 0
         self._deficit: dict[str, int] = {}
@@ -229,13 +235,30 @@ class FairDispatcher:
     @property
     def held_ahead(self) -> float:
         """The share of the held backlog its virtual clock counts each request behind."""
-        return self._clock.ahead
+        return self._ahead
+
+    def _clock(self, model: str) -> VirtualClock:
+        clock = self._clocks.get(model)
+        if clock is None:
+            clock = self._clocks[model] = VirtualClock(self._ahead)
+        return clock
+
+    def _advance(self, now_ms: float) -> None:
+        """Run every model's clock to ``now_ms`` (before a held count changes)."""
+        for model, clock in self._clocks.items():
+            clock.advance(now_ms, self._held_by_model[model], self._live_by_model.get(model, 0))
+
+    def _left(self, req: ChatRequest) -> None:
+        """``req`` is no longer held (decided, rejected or cancelled)."""
+        self._queued -= 1
+        self._held_by_model[req.model] -= 1
 
     def submit(self, req: ChatRequest) -> None:
         view = self.router.view
         # the live count of the request's model: the router asks the same (a cached answer)
-        self._live_n = len(view.live_workers(req.arrival_ms, req.model))
-        self._clock.advance(req.arrival_ms, self._queued, self._live_n)
+        live = self._live_by_model[req.model] = len(view.live_workers(req.arrival_ms, req.model))
+        clock = self._clock(req.model)
+        clock.advance(req.arrival_ms, self._held_by_model[req.model], live)
         q = self._queues.get(req.tenant)
         if q is None:
             q = self._queues[req.tenant] = TenantQueue()
@@ -245,10 +268,11 @@ class FairDispatcher:
             key = -math.inf  # decided at the next drain, or the oldest request held: not priced
         else:
             # priced at its arrival (event time): the same ordered input orders the same way
-            key = self._clock.at(req.arrival_ms) + least_prefill_ms(view, req, req.arrival_ms)
+            key = clock.at(req.arrival_ms) + least_prefill_ms(view, req, req.arrival_ms)
         self._seq += 1
         q.push(key, self._seq, req)
         self._queued += 1
+        self._held_by_model[req.model] += 1
 
     def cancel(self, request_id: str) -> ChatRequest | None:
         """Remove a queued request (the client went away). None when it is not queued."""
@@ -273,7 +297,7 @@ class FairDispatcher:
         """
 
         out: list[Decision] = []
-        self._clock.advance(now_ms, self._queued, self._live_n)
+        self._advance(now_ms)
         self._expire(now_ms, out)
         router = self.router
         view = router.view
@@ -340,7 +364,7 @@ class FairDispatcher:
                         rooms[best.worker_id] = False
                         continue
                     self._unpark(q.take(where), where)
-                    self._queued -= 1
+                    self._left(req)
                     self._deficit[tenant] -= cost
                     self.pulled += d.pulled
                     out.append(d)
@@ -379,7 +403,7 @@ class FairDispatcher:
                 self.deferrals[d.reason or "other"] += 1
                 self._park(q, entry, worker, 0.0)
                 return
-            self._queued -= 1
+            self._left(entry[2])
             out.append(d)
             if not q:
                 self._active.remove(tenant)
@@ -449,8 +473,8 @@ class FairDispatcher:
             self._parked_ms[where] -= work_ms
 
     def _forget(self, gone: list[tuple[Entry, str | None]]) -> None:
-        self._queued -= len(gone)
         for e, where in gone:
+            self._left(e[2])
             self._unpark(e, where)
 
     def _finish_round(self) -> None:

@@ -192,3 +192,28 @@ def test_cancel_and_expiry_keep_the_order_of_the_rest() -> None:
     assert [d.assignment.request.request_id for d in out if d.assignment] == ["a", "e", "b"]
     assert [d.rejection.request_id for d in out if d.rejection] == ["c"]
     assert len(disp) == 0
+
+
+def test_each_model_keeps_its_own_virtual_clock() -> None:
+    """A small model's backlog does not slow the big model's clock: with its four workers and few
+    held requests the big model's clock runs at real speed, so a prompt arriving later than a long
+    one's own work still goes after it (no starvation), however deep the small model's queue is."""
+    view, disp = _held_fleet()
+    for i in range(2, 4):
+        view.apply_load(load(f"w-{i}", queue_depth=1, queued_prefill_tokens=2000))
+    view.apply_load(
+        msgspec.structs.replace(load("s-0", queue_depth=1, queued_prefill_tokens=2000), model="small")
+    )
+    long_req = request("long", prompt(2048, 2), arrival_ms=1001)
+    disp.submit(request("first", prompt(64, 1), arrival_ms=1000))
+    disp.submit(long_req)
+    work = least_prefill_ms(view, long_req, 1001)
+    for i in range(8):  # the small model's backlog: eight held requests on its one worker
+        small = request(f"small-{i}", prompt(64, 10 + i), arrival_ms=1002, tenant="globex")
+        disp.submit(msgspec.structs.replace(small, model="small"))
+    assert disp.drain(1001 + int(work)) == []
+    disp.submit(request("late", prompt(32, 3), arrival_ms=1001 + int(work) + 5))
+    for i in range(4):
+        view.apply_load(load(f"w-{i}", report_ms=5000))
+    order = [d.assignment.request.request_id for d in disp.drain(5000) if d.assignment]
+    assert order == ["first", "long", "late"]

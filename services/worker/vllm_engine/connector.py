@@ -51,7 +51,7 @@ from kvmesh_core.reuse import reusable_blocks
 from schemas.blocks import PUBLIC_NAMESPACE, ROOT_HASH, hash_block
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.kv_layout import BlockLayout
-from services.worker.vllm_engine.hash_bridge import parse_salt
+from services.worker.vllm_engine.hash_bridge import external_id, parse_salt
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,11 +65,6 @@ log = logging.getLogger(__name__)
 
 #: The key in ``kv_connector_extra_config`` that names the hub.
 HUB_KEY = "kvmesh_hub"
-
-
-def external_id(vllm_request_id: str) -> str:
-    """vLLM appends ``-<8 chars>`` to the id it was given; the worker knows the request by the latter."""
-    return vllm_request_id.rsplit("-", 1)[0]
 
 
 @dataclass

@@ -66,7 +66,7 @@ from services.worker.engine_api import (
 from services.worker.errors import ModelConfigError, RequestRejected
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.vllm_engine.event_subscriber import EventSubscriber
-from services.worker.vllm_engine.hash_bridge import HashBridge, kvmesh_salt
+from services.worker.vllm_engine.hash_bridge import HashBridge, external_id, kvmesh_salt
 from services.worker.vllm_engine.tier_view import TierView
 
 log = logging.getLogger(__name__)
@@ -531,8 +531,7 @@ class VllmEngine:
         )
 
     def _waiting_prefill(self, r: Any) -> int:
-        # vLLM's scheduler knows a request by the id it was given plus "-<8 chars>"
-        t = self._tracks.get(r.request_id) or self._tracks.get(r.request_id.rsplit("-", 1)[0])
+        t = self._tracks.get(external_id(r.request_id))  # vLLM's scheduler knows it by its own id
         return r.num_prompt_tokens if t is None else waiting_prefill(t.req, r.num_prompt_tokens)
 
     def _refresh_load(self) -> None:

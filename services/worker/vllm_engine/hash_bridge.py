@@ -52,6 +52,11 @@ def parse_salt(salt: object) -> tuple[bytes, int] | None:
         return None
 
 
+def external_id(vllm_request_id: str) -> str:
+    """vLLM appends ``-<8 chars>`` to the id it was given; the worker knows the request by the latter."""
+    return vllm_request_id.rsplit("-", 1)[0]
+
+
 @dataclass(slots=True)
 class _Mapped:
     """One vLLM block the bridge could name."""

@@ -215,7 +215,6 @@ class FairDispatcher:
         self._seq = 0
         self._deficit: dict[str, int] = {}
         self._active: deque[str] = deque()
-        self._queued = 0
         self._parked_ms: dict[str, float] = {}
         self._parked_n: Counter[str] = Counter()
         # request id → (tenant, worker it is parked on, its share of _parked_ms)
@@ -230,7 +229,7 @@ class FairDispatcher:
         self.pulled = 0
 
     def __len__(self) -> int:
-        return self._queued
+        return sum(self._held_by_model.values())
 
     @property
     def held_ahead(self) -> float:
@@ -250,7 +249,6 @@ class FairDispatcher:
 
     def _left(self, req: ChatRequest) -> None:
         """``req`` is no longer held (decided, rejected or cancelled)."""
-        self._queued -= 1
         self._held_by_model[req.model] -= 1
 
     def submit(self, req: ChatRequest) -> None:
@@ -271,7 +269,6 @@ class FairDispatcher:
             key = clock.at(req.arrival_ms) + least_prefill_ms(view, req, req.arrival_ms)
         self._seq += 1
         q.push(key, self._seq, req)
-        self._queued += 1
         self._held_by_model[req.model] += 1
 
     def cancel(self, request_id: str) -> ChatRequest | None:
@@ -346,7 +343,7 @@ class FairDispatcher:
                     if cost > self._deficit[tenant]:
                         progress = True  # it will fit after more quanta
                         break
-                    view.held = self._queued - 1
+                    view.held = len(self) - 1
                     d = router.decide(req, now_ms, pull_to=pull_to)
                     if d.deferred:
                         self.deferrals[d.reason or "other"] += 1
@@ -397,7 +394,7 @@ class FairDispatcher:
             q = self._queues[tenant]
             entry = q.take_parked(worker, rid)
             self._unpark(entry, worker)
-            router.view.held = self._queued - 1
+            router.view.held = len(self) - 1
             d = router.decide(entry[2], now_ms)
             if d.deferred:  # at its tenant's cap, or no live worker: it waits on
                 self.deferrals[d.reason or "other"] += 1

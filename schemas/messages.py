@@ -401,6 +401,13 @@ class LoadReport(msgspec.Struct, frozen=True, tag="load_report"):
     #: can take many times that (15x on the 2-core box). The scheduler prices every wait it counts in
     #: steps with it; the intake's check of what can finish keeps the calibrated figure. 0: not measured.
     recent_decode_ms_per_step: StepMs = 0.0
+    #: Room in the GPU KV tier for the next prompt (kvmesh_core/kv_room.py): the blocks free now, less
+    #: those the running requests hold and those the queued prompts will take first (negative when
+    #: the queue already waits for room). None: not reported; no wait for room is priced.
+    kv_free_blocks: int | None = None
+    #: When the running requests are expected to end and the blocks each frees, as ``[decode steps
+    #: from now, blocks]``, soonest first, at most ``kv_room.MAX_RELEASES`` entries.
+    kv_release: list[tuple[Count, Count]] = msgspec.field(default_factory=list)
     #: What the engine honours of a request's sampling fields (BASE_FEATURES + OPTIONAL_FEATURES):
     #: the intake refuses a field no live worker of the model honours. Empty: an older worker, which
     #: honoured none of them.

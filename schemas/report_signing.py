@@ -25,8 +25,18 @@ log = logging.getLogger(__name__)
 _TAG = b"kvmesh.load_report.v1\0"
 SIGNATURE_BYTES = 16
 #: LoadReport fields added since signatures began, in the order they came.
-_ADDED_FIELDS = ("prefill_chunk_tokens", "slot_wait_steps", "recent_decode_ms_per_step")
-_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(LoadReport)}
+_ADDED_FIELDS = (
+    "prefill_chunk_tokens",
+    "slot_wait_steps",
+    "recent_decode_ms_per_step",
+    "kv_free_blocks",
+    "kv_release",
+)
+_DEFAULTS = {
+    f.name: f.default_factory() if f.default is msgspec.NODEFAULT else f.default
+    for f in msgspec.structs.fields(LoadReport)
+    if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+}
 
 
 def _mac(report: LoadReport, secret: bytes) -> bytes:

@@ -124,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
         help="what-if: plain LRU caches (default: fleet-aware eviction, as live workers)",
     )
     p.add_argument(
+        "--no-kv-capacity",
+        action="store_true",
+        help="what-if: running batches grow past the GPU tier (default: a prefill waits until its "
+        "blocks fit beside the running requests', as the live engine admits)",
+    )
+    p.add_argument(
         "--router", action="append", default=[], metavar="KEY=VALUE", help="RouterSettings override"
     )
     p.add_argument(
@@ -263,6 +269,7 @@ def _run_policies(
             heartbeat_ms=args.heartbeat_ms,
             admission=args.admission,
             fleet_aware_eviction=not args.lru_eviction,
+            kv_capacity=not args.no_kv_capacity,
             router=router,
             truth=args.truth_scale,
             held_ahead=args.held_ahead,
@@ -340,6 +347,7 @@ def _run_settings(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
         "admission": args.admission,
         "held_ahead": args.held_ahead,
         "fleet_aware_eviction": not args.lru_eviction,
+        "kv_capacity": not args.no_kv_capacity,
         "truth_scale": args.truth_scale.describe(),
     }
 

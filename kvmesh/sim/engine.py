@@ -88,6 +88,9 @@ class SimConfig:
     admission: Admission = "overlap"
     # As live workers do: evict blocks other workers also hold first (kvmesh.sim.cache). False: LRU.
     fleet_aware_eviction: bool = True
+    # As the live engine admits: a prefill starts only when its blocks fit in the GPU tier beside the
+    # running requests' (kvmesh.sim.worker, "KV capacity"). False: the batch grows without bound.
+    kv_capacity: bool = True
     router: dict[str, Any] = field(default_factory=dict)
     view: ViewSettings = field(default_factory=ViewSettings)
     truth: TruthScale = field(default_factory=TruthScale)  # the engine's real speed vs the published
@@ -149,6 +152,7 @@ class Simulation:
                 config.admission,
                 fleet,
                 config.truth,
+                config.kv_capacity,
             )
             for i in range(config.workers)
         ]

@@ -180,7 +180,9 @@ def score_worker(
     # a prefill longer than the worker's chunked-prefill budget carries a decode step per iteration
     # (the queue estimate counts its first)
     rec += decode_ms(p, max(carried_steps(ws, n_tok - reused_tokens) - 1, 0))
-    queue = view.queue_ms(ws, now_ms)
+    # the queue, and for a prompt that does not fit beside the running requests' KV the decode-only
+    # steps until enough of them end (those the queue's iterations carry are in the queue already)
+    queue = view.queue_ms(ws, now_ms) + view.kv_wait_ms(ws, n_tok, now_ms)
     return CandidateScore(
         worker_id=ws.worker_id,
         ttft_ms=queue + move + rec,

@@ -34,6 +34,7 @@ from kvmesh_core.costmodel import (
     queued_prefill_ms,
     recompute_ms,
 )
+from kvmesh_core.kv_room import kv_wait_steps
 from schemas.kv_sequence import KvSequence
 from schemas.messages import Assignment, Completion, KvEvent, LoadReport, WorkerLost
 from services.scheduler.prefix_index import PrefixIndex
@@ -545,6 +546,25 @@ class FleetView:
         if not ws.pending:
             return 0
         return sum(w.prefill_tokens for w in _uncovered(ws, now_ms))
+
+    def kv_wait_ms(self, ws: WorkerState, prompt_tokens: int, now_ms: int) -> float:
+        """How much longer than its queue a prompt of ``prompt_tokens`` waits on ``ws`` for room in its
+        GPU tier (kvmesh_core/kv_room.py). Its report's free blocks, less those of the router's own
+        assignments it does not count yet, and its running requests' releases give the decode steps
+        until the prompt fits after the queued ones. Each prefill iteration of the queue runs one of
+        those steps; the rest are decode-only steps added to the queue. 0 where the worker reports no
+        room."""
+        r = ws.report
+        if r.kv_free_blocks is None:
+            return 0.0
+        bs = max(r.block_size, 1)
+        free = r.kv_free_blocks
+        ahead = r.queue_depth
+        for w in _uncovered(ws, now_ms):
+            free -= -(-(w.prefill_tokens + w.cached_tokens) // bs)
+            ahead += 1
+        steps = kv_wait_steps(free, r.kv_release, -(-prompt_tokens // bs))
+        return decode_ms(ws.profile, max(steps - ahead, 0))
 
     def queue_ms(self, ws: WorkerState, now_ms: int) -> float:
         """Estimated wait before a new request's prefill starts on ``ws``."""

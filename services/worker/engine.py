@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from kvmesh_core.costmodel import PerfProfile, prefill_ctx
+from kvmesh_core.kv_room import kv_release
 from kvmesh_core.reuse import reusable_blocks
 from kvmesh_core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from schemas.blocks import ROOT_HASH, block_hashes
@@ -496,6 +497,15 @@ class Engine:
             waiting = [
                 (n, s.prompt_len - n) for s in self._waiting for n in [waiting_prefill(s.req, s.prompt_len)]
             ]
+            tiers = self.kv.tier_usage()
+            bs = self.layout.block_size
+            # room for the next prompt: the GPU blocks no running request references, less what the
+            # queued prompts take first; and when running requests are expected to free theirs
+            free = tiers[0].free_blocks - sum(-(-s.prompt_len // bs) for s in self._waiting)
+            release = kv_release(
+                (self._outputs.steps_left(len(s.output), s.max_tokens), self.kv.sole_blocks(s.block_ids))
+                for s in active
+            )
             return EngineLoad(
                 queue_depth=len(self._waiting),
                 active_requests=len(active),
@@ -504,11 +514,13 @@ class Engine:
                 + sum(s.prompt_len - s.n_computed for s in active if s.prefilling),
                 queued_prefill_ctx_tokens=sum(prefill_ctx(n, c) for n, c in waiting)
                 + sum(prefill_ctx(s.prompt_len - s.n_computed, s.n_computed) for s in active if s.prefilling),
-                tiers=self.kv.tier_usage(),
+                tiers=tiers,
                 slot_wait_steps=self._outputs.slot_wait(
                     [(len(s.output), s.max_tokens) for s in active], len(self._waiting), self.cfg.max_batch
                 ),
                 recent_decode_ms_per_step=self._step_meter.ms or 0.0,
+                kv_free_blocks=free,
+                kv_release=release,
             )
 
     def release_all(self) -> list[KvEvent]:

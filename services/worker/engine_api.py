@@ -151,6 +151,10 @@ class EngineLoad:
     # the recent mean of the engine's decode-only step times (batch_slots.DecodeStepMeter); 0: none
     # measured yet
     recent_decode_ms_per_step: float = 0.0
+    # room in the GPU tier for the next prompt and when running requests free blocks
+    # (kvmesh_core/kv_room.py); None: not reported
+    kv_free_blocks: int | None = None
+    kv_release: list[tuple[int, int]] = field(default_factory=list)
 
 
 class WorkerEngine(Protocol):

@@ -233,6 +233,12 @@ class KvCacheManager:
             for b in reversed(block_ids):
                 self.pool.decref(b)
 
+    def sole_blocks(self, block_ids: list[int]) -> int:
+        """How many of ``block_ids`` (one request's GPU blocks) no other request references: the
+        blocks its end frees for others (kvmesh_core/kv_room.py)."""
+        with self._lock:
+            return sum(1 for b in block_ids if self.pool.ref_count(b) == 1)
+
     def gpu_ref_count(self, block_hash: int) -> int:
         with self._lock:
             b = self.pool.lookup(block_hash)

@@ -111,6 +111,11 @@ class WorkerMetrics:
             "Decode steps until a request queued now gets a place in the engine's full batch.",
             registry=r,
         )
+        self.kv_free_blocks = Gauge(
+            "kvmesh_worker_kv_free_blocks",
+            "GPU blocks free for the next prompt after the queued ones (negative: the queue waits for room).",
+            registry=r,
+        )
         #: Fetches the cost model turned down (recompute was cheaper); the data plane counts the rest.
         self.fetches_declined = 0
         r.register(_ScrapeTime(self, transfer, tiers))

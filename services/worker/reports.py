@@ -83,6 +83,8 @@ def build_load_report(
         prefill_ms_per_token_per_ctx=p.prefill_ms_per_token_per_ctx if p else 0.0,
         decode_ms_per_step=p.decode_ms_per_step if p else 5.0,
         recent_decode_ms_per_step=load.recent_decode_ms_per_step,
+        kv_free_blocks=load.kv_free_blocks,
+        kv_release=list(load.kv_release),
         link_gbps=p.link_gbps if p else 1.0,
         link_latency_ms=p.link_latency_ms if p else 1.0,
         dram_gbps=p.dram_gbps if p else 20.0,

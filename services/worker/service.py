@@ -733,6 +733,8 @@ class WorkerService:
         self._tiers = load.tiers
         self.metrics.decode_step.set(load.recent_decode_ms_per_step / 1e3)
         self.metrics.slot_wait_steps.set(load.slot_wait_steps)
+        if load.kv_free_blocks is not None:
+            self.metrics.kv_free_blocks.set(load.kv_free_blocks)
         key = (load.queue_depth, load.active_requests, load.active_tokens // 256)
         # Between intervals, report only large changes (a new request queued, one finished).
         if not force and key == self._last_load:

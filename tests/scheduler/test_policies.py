@@ -366,3 +366,59 @@ def test_pulls_planned_onto_one_worker_wait_for_its_link() -> None:
     third = router.decide(request("r3", bases[2] + prompt(4, 3), arrival_ms=5000), 5000)
     on_w1 = next(c for c in third.candidates if c.worker_id == "w-1")
     assert on_w1.transfer_ms == pytest.approx(first.estimate.transfer_ms)
+
+
+def test_a_worker_without_room_for_the_prompt_is_priced_with_the_wait_for_its_running_requests() -> None:
+    """w-0 and w-1 look alike, but w-0's GPU tier is full of running requests that end in 300 decode
+    steps (1.2 s on cpu-tiny) and w-1 has room: kvmesh prices w-0 with that wait and goes to w-1.
+    Without the report's room figures (an older worker) the two cost the same."""
+    req = request("r1", prompt(640))  # 40 blocks
+    for room in (True, False):
+        view = FleetView(block_size=16)
+        full = load("w-0", active_requests=4)
+        if room:
+            full = msgspec.structs.replace(full, kv_free_blocks=2, kv_release=[(300, 100)])
+        view.apply_load(full)
+        view.apply_load(msgspec.structs.replace(load("w-1", active_requests=4), kv_free_blocks=60))
+        w0 = view.workers["w-0"]
+        wait = 300 * w0.profile.decode_ms_per_step
+        assert view.kv_wait_ms(w0, 640, 1000) == (wait if room else 0.0)
+        queue = view.queue_ms(w0, 1000)  # the step in flight and the one the prefill carries
+        assert queue == view.queue_ms(view.workers["w-1"], 1000)
+        d = Router(view, RouterSettings(policy="kvmesh")).decide(req, 1000)
+        by = {c.worker_id: c for c in d.candidates}
+        assert by["w-0"].queue_ms == pytest.approx(queue + (wait if room else 0.0))
+        assert by["w-1"].queue_ms == pytest.approx(queue)
+        assert by["w-0"].ttft_ms - by["w-1"].ttft_ms == pytest.approx(wait if room else 0.0)
+        if room:
+            assert d.assignment is not None and d.assignment.worker_id == "w-1"
+
+
+def test_the_routers_own_assignments_take_room_before_the_workers_report_counts_them() -> None:
+    """Until a report counts it, an assignment the router made takes its blocks off the free ones; the
+    steps its prefill iteration runs are already in the queue estimate, the rest are added."""
+    view = FleetView(block_size=16)
+    view.apply_load(msgspec.structs.replace(load("w-0"), kv_free_blocks=60, kv_release=[(50, 100)]))
+    w0 = view.workers["w-0"]
+    assert view.kv_wait_ms(w0, 640, 1000) == 0.0
+    a = Router(view, RouterSettings(policy="kvmesh")).decide(request("r2", prompt(650, 2)), 1000)
+    assert a.assignment is not None and a.assignment.worker_id == "w-0"
+    # 41 of the 60 blocks go to r2: a 40-block prompt now waits for the running requests' 50 steps,
+    # one of which r2's prefill carries (it is in the queue's price already)
+    assert view.kv_wait_ms(w0, 640, 1000) == 49 * w0.profile.decode_ms_per_step
+    # ... until a report that counts r2 comes
+    view.apply_load(msgspec.structs.replace(load("w-0", 1100), kv_free_blocks=60, kv_release=[(50, 100)]))
+    assert view.kv_wait_ms(view.workers["w-0"], 640, 1100) == 0.0
+
+
+def test_the_steps_the_queued_prefills_carry_are_not_counted_twice() -> None:
+    """Three prompts are queued and the new one fits after the running requests' next 10 steps: the
+    three prefill iterations run three of them (the queue's price), seven are decode-only."""
+    view = FleetView(block_size=16)
+    report = load("w-0", queue_depth=3, queued_prefill_tokens=300, active_requests=2)
+    view.apply_load(msgspec.structs.replace(report, kv_free_blocks=-5, kv_release=[(10, 50), (40, 50)]))
+    w0 = view.workers["w-0"]
+    step = w0.profile.decode_ms_per_step
+    assert view.kv_wait_ms(w0, 640, 1000) == 7 * step  # 40 blocks: after the first release
+    assert view.kv_wait_ms(w0, 1500, 1000) == 37 * step  # 94 blocks: after both
+    assert view.kv_wait_ms(w0, 16 * 2, 1000) == 7 * step  # even 2 blocks: the queue itself waits

@@ -48,7 +48,14 @@ def _signed_as_before_the_budget_field(report: LoadReport) -> LoadReport:
 
     raw = msgspec.msgpack.encode(msgspec.structs.replace(report, signature=b""))
     plain = msgspec.to_builtins(msgspec.msgpack.decode(raw, type=LoadReport), builtin_types=(bytes,))
-    for name in ("type", "prefill_chunk_tokens", "slot_wait_steps", "recent_decode_ms_per_step"):
+    for name in (
+        "type",
+        "prefill_chunk_tokens",
+        "slot_wait_steps",
+        "recent_decode_ms_per_step",
+        "kv_free_blocks",
+        "kv_release",
+    ):
         del plain[name]
     mac = hmac.new(SECRET, b"kvmesh.load_report.v1\0" + msgspec.msgpack.encode(plain), hashlib.sha256)
     return msgspec.structs.replace(report, signature=mac.digest()[:16])
@@ -66,3 +73,7 @@ def test_a_report_from_a_worker_before_a_field_was_added_still_verifies() -> Non
     assert not verify(msgspec.structs.replace(old, prefill_chunk_tokens=512), SECRET)
     waits = sign(_report(prefill_chunk_tokens=2048, slot_wait_steps=40), SECRET)
     assert verify(waits, SECRET) and not verify(msgspec.structs.replace(waits, slot_wait_steps=0), SECRET)
+    room = sign(_report(kv_free_blocks=-3, kv_release=[(12, 300), (50, 120)]), SECRET)
+    assert verify(room, SECRET) and verify(decode(encode(room, "worker-0", 1, 1000)).message, SECRET)
+    assert not verify(msgspec.structs.replace(room, kv_release=[(12, 300)]), SECRET)
+    assert not verify(msgspec.structs.replace(room, kv_free_blocks=0), SECRET)

@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.sim.worker import ADMISSIONS, Admission, SimWorker
 from kvmesh_core.costmodel import PROFILES, recompute_ms
-from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent
+from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent, LoadReport
 
 BS = 16
 PROFILE = dataclasses.replace(PROFILES["h100-llama3-8b"], gpu_blocks=64, dram_blocks=0, disk_blocks=0)
@@ -142,3 +142,57 @@ def test_an_assignment_that_arrives_during_a_pull_waits_for_it_only_under_serial
     assert order[0] == (0.0 if first == "pulled" else 0.01)
     if first == "pulled":
         assert ttft[0.01] > landed_ms  # admitted only once the pull landed
+
+
+def _long_request(n_blocks: int, rid: str, max_tokens: int) -> ChatRequest:
+    from schemas.chat_requests import chat_request
+
+    tokens = [1000 * sum(map(ord, rid)) + i for i in range(n_blocks * BS + 1)]
+    return chat_request(
+        tokens, request_id=rid, session_id=rid, tenant="t", block_size=BS, max_tokens=max_tokens, arrival_ms=0
+    )
+
+
+@pytest.mark.parametrize("kv_capacity", [True, False])
+def test_a_prefill_waits_for_room_in_the_gpu_tier_as_the_live_engine_admits(kv_capacity: bool) -> None:
+    """A holds 41 of the 64 GPU blocks while it decodes; B needs 31. With KV capacity B starts when A
+    ends and frees them, and the worker's own probe (the oracle's) predicts that; without it B starts
+    at the next iteration, beside A's decode batch."""
+    sent: list[tuple[object, float]] = []
+    calls: list[tuple[float, SimWorker, object]] = []
+    peers: dict[str, SimWorker] = {}
+    w = SimWorker(
+        0,
+        "w0",
+        PROFILE,
+        lambda m, t: sent.append((m, t)),
+        lambda t, s, j: calls.append((t, s, j)),
+        peers,
+        kv_capacity=kv_capacity,
+    )
+    peers["w0"] = w
+    a, b = _long_request(40, "a", max_tokens=10), _long_request(30, "b", max_tokens=2)
+    w.assign(_assign(a, "w0", []), 0.0, 0.0)
+    predicted = w.probe(b, 0.5).ttft_ms
+    w.assign(_assign(b, "w0", []), 0.5, 0.5)
+    w.report(0.5)
+    report = [m for m, _ in sent if isinstance(m, LoadReport)][-1]
+    while calls:
+        calls.sort(key=lambda c: c[0])
+        t, s, _ = calls.pop(0)
+        if s.busy_until == t:
+            s.on_iteration_end(t)
+    done = {m.request_id: (m, t) for m, t in sent if isinstance(m, Completion)}
+    (ca, end_a), (cb, _) = done["a"], done["b"]
+    first_b = 0.5 + cb.ttft_ms
+    step = PROFILE.decode_ms_per_step
+    if kv_capacity:
+        assert first_b >= end_a  # B's prefill began only after A ended
+        assert cb.ttft_ms == pytest.approx(predicted)
+        assert first_b - end_a == pytest.approx(cb.prefill_ms)  # ... and carried no decode step
+        # 64 blocks less A's 41 and B's 31; A frees its 41 after its 9 decode steps
+        assert report.kv_free_blocks == 64 - 41 - 31 and report.kv_release == [(9, 41)]
+    else:
+        assert first_b < end_a
+        assert cb.ttft_ms == pytest.approx(ca.ttft_ms - 0.5 + cb.prefill_ms + step)
+        assert report.kv_free_blocks is None and report.kv_release == []

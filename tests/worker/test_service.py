@@ -448,6 +448,11 @@ async def test_a_request_keeps_its_place_while_its_pull_runs_and_recomputes_what
     assert pulled.finish_reason == alone.finish_reason
     assert pulled.output_token_ids == alone.output_token_ids
     assert pulled.fetched_tokens == 0
+    # idle again: the room for the next prompt is the whole unreferenced GPU tier, and the gauge says so
+    await worker._publish_load(force=True)
+    idle = worker.engine.load()
+    assert idle.kv_release == [] and idle.kv_free_blocks == idle.tiers[0].free_blocks > 0
+    assert worker.metrics.value("kv_free_blocks") == idle.kv_free_blocks
     assert worker.engine.load().queue_depth == 0
 
 

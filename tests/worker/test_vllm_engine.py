@@ -238,6 +238,14 @@ def test_a_full_batch_reports_the_wait_for_a_place(engine: VllmEngine) -> None:
     running = sorted(r.max_tokens - r.num_output_tokens for r in engine._sched.running)
     # before this batch, answers here ran to their limits (the earlier tests'), never past a limit
     assert 1 <= load.slot_wait_steps <= running[2]
+    # room in the GPU tier (kvmesh_core/kv_room.py): the two queued prompts' blocks come off the free
+    # ones; each running request (none shares a block) frees its own blocks, the soonest first
+    assert load.kv_free_blocks == load.tiers[0].free_blocks - 2 * 2
+    steps = [s for s, _ in load.kv_release]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps) and steps[0] >= 1
+    assert sum(n for _, n in load.kv_release) == sum(
+        len(engine._sched.kv_cache_manager.get_block_ids(r.request_id)[0]) for r in engine._sched.running
+    )
     # the batch is full and two wait: its steps only decode, and they are timed
     before = engine._step_meter.ms
     engine.step()
@@ -245,6 +253,8 @@ def test_a_full_batch_reports_the_wait_for_a_place(engine: VllmEngine) -> None:
     while engine.has_work():
         engine.step()
     assert engine.load().slot_wait_steps == 0
+    load = engine.load()
+    assert load.kv_release == [] and load.kv_free_blocks == load.tiers[0].free_blocks
 
 
 def test_calibration_measures_through_vllm(engine: VllmEngine) -> None:

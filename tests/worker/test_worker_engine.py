@@ -325,3 +325,29 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_the_others_run() -> 
     assert got == solo
     [first] = [o for o in outs if o.request_id == "pulled" and o.stats is not None]
     assert first.stats.fallback == "expected 2 cached blocks, found 0; recomputed"
+
+
+def test_the_load_reports_room_for_the_next_prompt_and_when_running_requests_free_theirs() -> None:
+    """The GPU tier's room (kvmesh_core/kv_room.py): free blocks less the queued prompts', and each
+    running request's expected end with the blocks only it holds. A prompt that does not fit waits."""
+    eng = _engine(gpu_blocks=16, dram_blocks=0, max_batch=8, prefill_chunk=512)
+    a, b = _prompt(6 * BS, 1), _prompt(6 * BS, 2)
+    eng.add_request(_req("a", a, max_tokens=20))
+    eng.add_request(_req("b", b, max_tokens=40))
+    eng.step()
+    load = eng.load()
+    assert load.active_requests == 2 and load.queue_depth == 0
+    # each holds its 6 prompt blocks (a block for generated tokens comes when the first one fills)
+    assert load.kv_free_blocks == load.tiers[0].free_blocks == 4
+    steps = [s for s, _ in load.kv_release]
+    assert steps == sorted(steps) and sum(n for _, n in load.kv_release) == 12
+    assert load.kv_release[0][0] < load.kv_release[-1][0]  # a, with fewer tokens to go, ends first
+    # a third prompt of 5 blocks does not fit: it waits, and the room counts it first
+    eng.add_request(_req("c", _prompt(5 * BS, 3), max_tokens=4))
+    eng.step()
+    load = eng.load()
+    assert load.queue_depth == 1 and load.kv_free_blocks == load.tiers[0].free_blocks - 5 < 0
+    outs = _run(eng)
+    assert {o.request_id for v in outs.values() for o in v if o.finished} >= {"c"}
+    load = eng.load()
+    assert load.kv_release == [] and load.kv_free_blocks == load.tiers[0].free_blocks == 16

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh_core.costmodel import PerfProfile, prefill_ctx
+from kvmesh_core.kv_room import kv_release
 from kvmesh_core.reuse import reusable_blocks
 from kvmesh_core.tokenizer import HFTokenizer
 from schemas.messages import (
@@ -511,9 +512,20 @@ class VllmEngine:
             prefill_ctx(max(r.num_prompt_tokens - r.num_computed_tokens, 0), r.num_computed_tokens)
             for r in running
         )
-        pool = sched.kv_cache_manager.block_pool
-        free = int(pool.get_num_free_blocks())
+        manager = sched.kv_cache_manager
+        free = int(manager.block_pool.get_num_free_blocks())
         # Free-queue blocks may still hold cached prefixes (evictable): vLLM counts them free, as we do.
+        # Room for the next prompt: those, less what vLLM's queue takes first; and when the running
+        # requests are expected to end, each freeing the blocks no other request references.
+        bs = self.block_size
+        room = free - sum(-(-r.num_prompt_tokens // bs) for r in waiting)
+        release = kv_release(
+            (
+                self._outputs.steps_left(r.num_output_tokens, r.max_tokens),
+                sum(1 for b in manager.get_blocks(r.request_id).blocks[0] if b.ref_cnt == 1),
+            )
+            for r in running
+        )
         return EngineLoad(
             queue_depth=len(waiting),
             active_requests=len(running),
@@ -528,6 +540,8 @@ class VllmEngine:
                 [(r.num_output_tokens, r.max_tokens) for r in running], len(waiting), self._batch_places
             ),
             recent_decode_ms_per_step=self._step_meter.ms or 0.0,
+            kv_free_blocks=room,
+            kv_release=release,
         )
 
     def _waiting_prefill(self, r: Any) -> int:

@@ -43,7 +43,7 @@ without the rule, as the simulator ran before.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -126,6 +126,12 @@ class Job:
     fetch_range: tuple[int, int] = (0, 0)  # blocks [lo, hi) pulled from peers before queueing
     fetched_blocks: int = 0
     ready: bool = True  # False while its pull is in flight (overlap admission only)
+    # KV capacity: the prompt's tokens, blocks and full blocks (set when queued), and of its full
+    # blocks how many no other running request holds
+    kv_tokens: int = 0
+    kv_blocks: int = 0
+    kv_full: int = 0
+    kv_alone: int = 0
 
 
 class SimWorker:
@@ -200,7 +206,8 @@ class SimWorker:
         # their prompt blocks by hash (shared ones once, as the live engine's shared prefix), and
         # whether a prefill must wait for them to fit. False: the batch grows without bound (before).
         self._kv_capacity = kv_capacity
-        self._kv_refs: Counter[int] = Counter()
+        self._kv_holders: dict[int, list[Job]] = {}  # prompt block hash -> running jobs holding it
+        self._queued_blocks = 0  # the queued prompts' blocks, as the live engine reports its queue's
         # the typical output length, from the requests that ended here: what a live engine expects of
         # a running request's end (its LoadReport's kv_release) without knowing its real length
         self._outputs = OutputLengths()
@@ -332,6 +339,10 @@ class SimWorker:
             self._admit(self._held.popleft(), now_ms)
 
     def _enqueue(self, job: Job, now_ms: float) -> None:
+        job.kv_tokens = len(job.request.token_ids)
+        job.kv_blocks = -(-job.kv_tokens // self.real.block_size)
+        job.kv_full = len(job.request.block_hashes)
+        self._queued_blocks += job.kv_blocks
         self._queue.append(job)
         self._wake(now_ms)
 
@@ -340,8 +351,7 @@ class SimWorker:
         if now_ms >= self.busy_until:
             self._start(now_ms)
             return
-        head = self._head()
-        if self._run_steps and head is not None and self._fits(head):
+        if self._run_steps and (head := self._head()) is not None and self._fits(self._queue[head]):
             # Cut a decode-only run at the next step boundary so the new prefill starts there (not
             # for a prefill that would not fit: it waits for the run's end to free blocks).
             step = self.real.decode_ms_per_step
@@ -366,17 +376,20 @@ class SimWorker:
         self._start(now_ms)
         self.report(now_ms)
 
-    def _head(self) -> Job | None:
-        """The next prefill in line: FCFS among jobs whose pulled blocks have arrived."""
-        return next((j for j in self._queue if j.ready), None)
+    def _head(self) -> int | None:
+        """Where the next prefill in line is queued: FCFS among jobs whose pulled blocks arrived."""
+        return next((i for i, j in enumerate(self._queue) if j.ready), None)
 
     def _start(self, now_ms: float) -> None:
-        job = self._head()
-        if job is not None and not self._fits(job):
-            job = None  # it waits for running requests to free blocks, and those behind it wait too
-        if job is not None:
-            self._queue.remove(job)
+        job = None
+        head = self._head()
+        # a head that does not fit waits for running requests to free blocks, and those behind it too
+        if head is not None and self._fits(self._queue[head]):
+            job = self._queue[head]
+            del self._queue[head]
+            self._queued_blocks -= job.kv_blocks
             self._kv_take(job)
+        if job is not None:
             self._queued_tokens -= job.queued_tokens
             self._queued_ctx = max(self._queued_ctx - job.queued_ctx, 0.0)
             duration = self._serve(job)
@@ -539,9 +552,7 @@ class SimWorker:
     def _kv_frees(self, job: Job) -> int:
         """The GPU blocks ``job``'s end would free now: its own and the prompt blocks no other running
         request shares."""
-        refs = self._kv_refs
-        alone = sum(1 for h in int_list(job.request.block_hashes) if refs[h] == 1)
-        return alone + self._kv_private(job)
+        return job.kv_alone + self._kv_private(job)
 
     def _finish_prefill(self, job: Job, now_ms: float) -> None:
         req = job.request
@@ -575,21 +586,20 @@ class SimWorker:
     def _kv_private(self, job: Job) -> int:
         """GPU blocks ``job`` holds beside its full prompt blocks: the prompt's partial last block
         and the tokens it has generated (a prefilling job: none yet)."""
-        bs = self.real.block_size
         produced = job.request.max_tokens - job.remaining if job.first_token_ms >= 0 else 0
-        return max(-(-(len(job.request.token_ids) + produced) // bs) - len(job.request.block_hashes), 0)
+        return max(-(-(job.kv_tokens + produced) // self.real.block_size) - job.kv_full, 0)
 
     def kv_used(self) -> int:
         """GPU blocks the running requests hold now (the prefill in flight included)."""
-        used = len(self._kv_refs) + sum(self._kv_private(j) for j in self._decoding)
+        used = len(self._kv_holders) + sum(self._kv_private(j) for j in self._decoding)
         if self._prefilling is not None:
             used += self._kv_private(self._prefilling)
         return used
 
     def _kv_need(self, request: ChatRequest) -> int:
         """GPU blocks a prefill of ``request`` would add to what the running requests hold."""
-        hashes = int_list(request.block_hashes)
-        shared = sum(1 for h in hashes if h in self._kv_refs)
+        holders = self._kv_holders
+        shared = sum(1 for h in int_list(request.block_hashes) if h in holders)
         return -(-len(request.token_ids) // self.real.block_size) - shared
 
     def _fits(self, job: Job) -> bool:
@@ -606,7 +616,8 @@ class SimWorker:
         and free theirs. Expected as a live engine expects it, from the typical output length here
         (before any request ended, from its own ``max_tokens``, as the live engines); not from the
         simulated request's real length, which no scheduler could know."""
-        free = self.real.gpu_blocks - self.kv_used() - sum(self._kv_need(j.request) for j in self._queue)
+        # the queued prompts whole, as the live engine counts its queue (not what they share)
+        free = self.real.gpu_blocks - self.kv_used() - self._queued_blocks
         typical = self._outputs.mean
         running = [*self._decoding] + ([self._prefilling] if self._prefilling is not None else [])
         ends = []
@@ -618,14 +629,32 @@ class SimWorker:
         return free, kv_release(ends)
 
     def _kv_take(self, job: Job) -> None:
-        self._kv_refs.update(int_list(job.request.block_hashes))
+        """``job`` starts: it holds its full prompt blocks, some perhaps with other running jobs."""
+        holders = self._kv_holders
+        for h in int_list(job.request.block_hashes):
+            held = holders.get(h)
+            if held is None:
+                holders[h] = [job]
+                job.kv_alone += 1
+            else:
+                if len(held) == 1:
+                    held[0].kv_alone -= 1
+                held.append(job)
 
     def _kv_drop(self, job: Job) -> None:
-        refs = self._kv_refs
+        """``job`` ended: its prompt blocks are free unless another running job holds them."""
+        holders = self._kv_holders
         for h in int_list(job.request.block_hashes):
-            refs[h] -= 1
-            if refs[h] <= 0:
-                del refs[h]
+            held = holders[h]
+            for i, other in enumerate(held):
+                if other is job:
+                    del held[i]
+                    break
+            if not held:
+                del holders[h]
+            elif len(held) == 1:
+                held[0].kv_alone += 1
+        job.kv_alone = 0
 
     def _advance_decode(self, steps: int, now_ms: float) -> None:
         still: list[Job] = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -76,6 +77,10 @@ log = logging.getLogger(__name__)
 CPU_BLOCK_MULTIPLE = 32
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
+
+
+#: How often the running requests' sole blocks are recounted at most, between changes of the batch.
+SOLE_RECOUNT_S = 0.05
 
 
 @dataclass
@@ -211,6 +216,8 @@ class VllmEngine:
         self._tracks: dict[str, _Track] = {}
         self._outputs = OutputLengths()  # how long answers run here, for the wait for a batch place
         self._step_meter = DecodeStepMeter()  # what a decode step of the batch takes now
+        self._sole: dict[str, int] = {}  # per running request, its sole blocks (_sole_blocks)
+        self._sole_at = -math.inf
         self._pending: list[StepOutput] = []
         self._reannounce = False
         self._lock = threading.Lock()  # guards the load snapshot only
@@ -519,12 +526,9 @@ class VllmEngine:
         # requests are expected to end, each freeing the blocks no other request references.
         bs = self.block_size
         room = free - sum(-(-r.num_prompt_tokens // bs) for r in waiting)
+        sole = self._sole_blocks(manager, running)
         release = kv_release(
-            (
-                self._outputs.steps_left(r.num_output_tokens, r.max_tokens),
-                sum(1 for b in manager.get_blocks(r.request_id).blocks[0] if b.ref_cnt == 1),
-            )
-            for r in running
+            (self._outputs.steps_left(r.num_output_tokens, r.max_tokens), sole[r.request_id]) for r in running
         )
         return EngineLoad(
             queue_depth=len(waiting),
@@ -543,6 +547,24 @@ class VllmEngine:
             kv_free_blocks=room,
             kv_release=release,
         )
+
+    def _sole_blocks(self, manager: Any, running: list[Any]) -> dict[str, int]:
+        """Per running request, the blocks no other request references (what its end frees). Counting
+        them walks every block of the batch, milliseconds on a large one, and the load is taken after
+        every step: the counts are redone when the running set changes or ``SOLE_RECOUNT_S`` has
+        passed, and reused in between (a request's growth meanwhile is a block or two)."""
+        now = time.perf_counter()
+        if (
+            now - self._sole_at >= SOLE_RECOUNT_S
+            or len(running) != len(self._sole)
+            or any(r.request_id not in self._sole for r in running)
+        ):
+            self._sole = {
+                r.request_id: sum(1 for b in manager.get_blocks(r.request_id).blocks[0] if b.ref_cnt == 1)
+                for r in running
+            }
+            self._sole_at = now
+        return self._sole
 
     def _waiting_prefill(self, r: Any) -> int:
         t = self._tracks.get(external_id(r.request_id))  # vLLM's scheduler knows it by its own id

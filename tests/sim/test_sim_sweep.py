@@ -138,3 +138,29 @@ def test_cli_sweep_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "--record" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--trace", str(trace), "--time-scales", "0.5,-1"])
+
+
+def test_cli_kv_capacity_is_the_default_and_no_kv_capacity_the_what_if(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GPU tier that holds about one prompt (6 blocks of 512 tokens): with KV capacity, the default,
+    a prompt waits for the running one's decode steps to end, so the fleet is slower than the
+    simulator without the rule (``--no-kv-capacity``); the JSON says which ran."""
+    import dataclasses
+
+    from kvmesh_core.costmodel import PROFILES
+
+    small = dataclasses.replace(
+        PROFILES["h100-llama3-8b"], gpu_blocks=6 * 512 // 16, dram_blocks=0, disk_blocks=0
+    )
+    profile = tmp_path / "small.json"
+    profile.write_text(json.dumps(dataclasses.asdict(small)))
+    trace = tiny_trace(tmp_path / "trace.jsonl", 24)
+    argv = ["--trace", str(trace), "--workers", "1", "--policies", "kvmesh", "--profile", str(profile)]
+    argv += ["--time-scale", "0.25", "--json", "--no-progress"]
+    capped = _run(argv, capsys)
+    free = _run([*argv, "--no-kv-capacity"], capsys)
+    assert capped["kv_capacity"] is True and free["kv_capacity"] is False
+    a, b = capped["policies"]["kvmesh"], free["policies"]["kvmesh"]
+    assert a["requests"] == b["requests"] == 24
+    assert a["ttft_p50_s"] > b["ttft_p50_s"] and a["makespan_s"] > b["makespan_s"]

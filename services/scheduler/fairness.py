@@ -31,11 +31,14 @@ requests behind it, until that worker has room again. Two measured failures shap
   conversation to a worker without its history on every turn of a burst: 0.40 of prompt tokens came
   from cache where SGLang's router reuses 0.83.
 
-A parked request is not stranded: when the least loaded worker has room and would start it sooner
-than its own worker (that one's queue plus the prefill parked on it), it *pulls* the request. A pull
-that would pass the next request in line must come first in the order by more than the extra
-prefill it adds, charged as the router charges extra work (once per request held per live worker):
-a prompt cached nowhere moves in order, a turn whose history one worker holds rarely leaves it.
+A parked request is not stranded: when the least loaded worker has room and would give it its first
+token sooner than its own worker (that one's queue plus its prefill there), it *pulls* the request.
+The extra prefill a pull adds (a prefix its own worker holds and the puller does not) is charged as
+the router charges extra work, once per request held per live worker, since each of them waits for
+it; a pull that would pass the next request in line must also come first in the order by more than
+that charge. A prompt cached nowhere moves freely, a turn whose history one worker holds rarely
+leaves it. Charged once, as the pull's own cost, a burst of conversations on two workers lost its
+histories at some late-binding thresholds and not others (0.66-0.83 of prompt tokens from cache).
 
 A tenant at its in-flight cap (RouterSettings.tenant_max_inflight) is skipped until Completions free a
 slot; a model without a live worker holds only that tenant. A queued request whose deadline passed is
@@ -197,7 +200,7 @@ class FairDispatcher:
     Invariants: a tenant is in ``_active`` iff its queue is non-empty; requests of one tenant are
     decided in virtual-finish order (see the module doc), which is submit order among equals, except
     that a request parked on a worker without room is passed over until that worker has room again;
-    ``_parked_ms[w]`` is the prefill the router priced for the requests parked on ``w``.
+    ``_parked_req`` holds exactly the parked requests, with the prefill the router priced for each.
     """
 
     def __init__(self, router: Router, quantum_tokens: int = 4096, ahead: float = AHEAD) -> None:
@@ -215,9 +218,7 @@ class FairDispatcher:
         self._seq = 0
         self._deficit: dict[str, int] = {}
         self._active: deque[str] = deque()
-        self._parked_ms: dict[str, float] = {}
-        self._parked_n: Counter[str] = Counter()
-        # request id → (tenant, worker it is parked on, its share of _parked_ms)
+        # request id → (tenant, worker it is parked on, its prefill there as the router priced it)
         self._parked_req: dict[str, tuple[str, str, float]] = {}
         # (arrival ms, request id) of parked requests, oldest first; stale entries (no longer parked)
         # are skipped when they surface: RouterSettings.max_hold_ms places the overdue ones
@@ -414,10 +415,12 @@ class FairDispatcher:
         no_pull: set[str],
         no_room: set[str],
     ) -> str | None:
-        """Work conservation: the least loaded live worker, when it has room and would start the
-        request parked on ``home`` sooner than ``home`` would: its queue plus the prefill parked on
-        it. Else None, and the request (or its model, when no worker has room) goes in ``no_pull``
-        (``no_room``). "" when it should not pass ``then``, the next request in line, yet.
+        """Work conservation: the least loaded live worker, when it has room and would give the
+        request parked on ``home`` its first token sooner than ``home`` would (its queue plus the
+        request's prefill there; the request is the first parked there in its tenant's order), the
+        extra prefill it adds charged as below. Else None, and the request (or its model, when no
+        worker has room) goes in ``no_pull`` (``no_room``). "" when it should not pass ``then``, the
+        next request in line, yet.
 
         The held backlog makes every extra prefill costly in the router's charge, so a request keeps
         waiting for the worker holding its prefix; the pull is what moves work to a worker that
@@ -432,21 +435,24 @@ class FairDispatcher:
             no_room.add(req.model)
             return None
         home_ws = view.workers.get(home)
-        waits = math.inf if home_ws is None else view.queue_ms(home_ws, now_ms) + self._parked_ms[home]
+        own = self._parked_req[req.request_id][2]  # its prefill at home, as priced when parked
+        waits = math.inf if home_ws is None else view.queue_ms(home_ws, now_ms) + own
         there = None if target[0] == home else router.price(req, now_ms, target[0])
-        if there is None or there.ttft_ms >= waits:
+        # The work it adds there (a prefix home holds and the target does not) is charged as the
+        # router charges extra work: once per request held per live worker, since every one of them
+        # waits for it. A session's turn then rarely leaves its history for a worker that would have
+        # to recompute it (and evict another session's history to hold it), while a prompt cached
+        # nowhere moves freely.
+        charge = 0.0 if there is None else max(0.0, there.work_ms - own) * len(self) / max(len(live), 1)
+        if there is None or there.ttft_ms + charge >= waits:
             no_pull.add(req.request_id)
             return None
-        if then is not None:
-            # it passes the next request in line only by the lead its order gives it, less the work
-            # it adds there, charged as the router charges extra work (once per request held per live
-            # worker): a prompt cached nowhere moves in order, a session's turn rarely leaves home.
-            # The lead is in virtual ms, which a deep backlog shortens. Charging the extra work once,
-            # not per held request, was measured with a share of 1.0: the 4x row got worse at the p50
-            # and the p99, the one with prefill 1.3 traded p99 for p50 (42.0 vs 40.9 s, 1.62 vs 1.82).
-            extra = max(0.0, there.work_ms - self._parked_req[req.request_id][2])
-            if key + extra * len(self) / max(len(live), 1) >= then[0][0]:
-                return ""  # not now: the next request in line goes first
+        # It passes the next request in line only by the lead its order gives it, less that charge.
+        # The lead is in virtual ms, which a deep backlog shortens. Charging the extra work once, not
+        # per held request, was measured with a share of 1.0: the 4x row got worse at the p50 and the
+        # p99, the one with prefill 1.3 traded p99 for p50 (42.0 vs 40.9 s, 1.62 vs 1.82).
+        if then is not None and key + charge >= then[0][0]:
+            return ""  # not now: the next request in line goes first
         return target[0]
 
     def _park(self, q: TenantQueue, entry: Entry, worker: str, work_ms: float) -> None:
@@ -456,18 +462,11 @@ class FairDispatcher:
             self._timed.add(req.request_id)
             heapq.heappush(self._by_arrival, (req.arrival_ms, req.request_id))
         self._parked_req[req.request_id] = (req.tenant, worker, work_ms)
-        self._parked_ms[worker] = self._parked_ms.get(worker, 0.0) + work_ms
-        self._parked_n[worker] += 1
 
     def _unpark(self, entry: Entry, where: str | None) -> None:
         if where is None:
             return
-        work_ms = self._parked_req.pop(entry[2].request_id)[2]
-        self._parked_n[where] -= 1
-        if self._parked_n[where] <= 0:
-            del self._parked_n[where], self._parked_ms[where]  # exactly 0, whatever the float sums left
-        else:
-            self._parked_ms[where] -= work_ms
+        del self._parked_req[entry[2].request_id]
 
     def _forget(self, gone: list[tuple[Entry, str | None]]) -> None:
         for e, where in gone:

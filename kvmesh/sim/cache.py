@@ -61,7 +61,7 @@ class TieredCache:
     """Owns the block hashes of one worker. Invariants: a hash is in at most one tier
     (``_where`` names it), and no tier holds more than its capacity after a call returns."""
 
-    __slots__ = ("_caps", "_fleet", "_parent", "_tiers", "_where")
+    __slots__ = ("_caps", "_fleet", "_parent", "_pinned", "_tiers", "_where")
 
     def __init__(
         self,
@@ -75,6 +75,8 @@ class TieredCache:
         self._where: dict[int, int] = {}
         self._parent: dict[int, int] = {}  # what KvEvents name as each held block's parent
         self._fleet = fleet  # None: plain LRU
+        # blocks pulled for a queued request, kept until its prefill reads them (count per hash)
+        self._pinned: dict[int, int] = {}
 
     def tier_of(self, h: int) -> int | None:
         """Index into ``TIERS`` of the tier holding ``h``, or None."""
@@ -163,6 +165,23 @@ class TieredCache:
                 self._fleet.add(h)
         return log.drain()
 
+    def pin(self, hashes: list[int]) -> None:
+        """Evict ``hashes`` only when nothing else is left, until :meth:`unpin`: a queued request's
+        prefix, pulled for it (the live ``KvCacheManager.hold``). The fleet rule would evict them
+        first, since the peer they came from still holds them."""
+        pinned = self._pinned
+        for h in hashes:
+            pinned[h] = pinned.get(h, 0) + 1
+
+    def unpin(self, hashes: list[int]) -> None:
+        pinned = self._pinned
+        for h in hashes:
+            n = pinned.get(h, 0) - 1
+            if n > 0:
+                pinned[h] = n
+            else:
+                pinned.pop(h, None)
+
     def _held_elsewhere(self) -> HeldElsewhere | None:
         return self._fleet.held_elsewhere if self._fleet is not None else None
 
@@ -181,11 +200,23 @@ class TieredCache:
         # block of this tier (a hash sits in one tier per worker). Listed first, because the store
         # loses each victim while they are read.
         skip = busy if keep is None or keep not in store else {*busy, keep}
-        ahead = list(islice(filterfalse(skip.__contains__, store), need + VICTIM_WINDOW))
-        for h in islice(victims_in_turn(ahead, self._held_elsewhere()), need):
+        pinned = self._pinned
+        free = (
+            (h for h in store if h not in skip and h not in pinned)
+            if pinned
+            else filterfalse(skip.__contains__, store)
+        )
+        held = self._held_elsewhere()
+        for h in islice(victims_in_turn(list(islice(free, need + VICTIM_WINDOW)), held), need):
             del store[h]
             self._demote(tier, h, log, busy)
             need -= 1
+        if need and pinned:  # pinned blocks go last, but they never block a store (as the live hold)
+            last = (h for h in store if h in pinned and h not in skip)
+            for h in islice(victims_in_turn(list(islice(last, need + VICTIM_WINDOW)), held), need):
+                del store[h]
+                self._demote(tier, h, log, busy)
+                need -= 1
         return need == 0
 
     def _demote(self, tier: int, h: int, log: EventRuns, busy: AbstractSet[int]) -> None:

@@ -329,6 +329,9 @@ class SimWorker:
         hashes = int_list(job.request.block_hashes)
         parents = chain_parents(hashes, lo, hi - lo)
         self._publish(self.cache.insert(hashes[lo:hi], parents, 1), job, now_ms)
+        # its prefix, pulled blocks included, is kept until its prefill has read it, as the live
+        # engine holds it until the request is admitted (KvCacheManager.hold)
+        self.cache.pin(hashes[:hi])
         job.fetched_blocks = hi - lo
         if job.ready:
             self._enqueue(job, now_ms)
@@ -559,6 +562,8 @@ class SimWorker:
         hashes = int_list(req.block_hashes)
         parents = [0, *hashes[:-1]] if hashes else []
         self._store(hashes, parents, job, now_ms)
+        if job.fetched_blocks:
+            self.cache.unpin(hashes[: job.fetch_range[1]])  # read: its blocks are the most recent now
         job.first_token_ms = now_ms
         job.remaining = req.max_tokens - 1
         job.fetch = []

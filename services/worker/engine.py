@@ -274,6 +274,7 @@ class Engine:
                 for s in lst:
                     if s.req.request_id == request_id:
                         lst.remove(s)
+                        self.kv.unhold(request_id)
                         if s.block_ids:
                             self.kv.release(s.block_ids)
                             s.block_ids = []
@@ -287,6 +288,8 @@ class Engine:
                 if s.req.request_id == request_id:
                     s.kv_pending = False
                     s.req.expected_reuse_blocks = expected_reuse_blocks
+                    # what it pulled stays until it is admitted (KvCacheManager.hold)
+                    self.kv.hold(request_id, s.hashes[:expected_reuse_blocks])
 
     def has_work(self) -> bool:
         with self._lock:
@@ -329,6 +332,7 @@ class Engine:
                 out.append(self._fail(s, "out of KV cache blocks"))
                 continue
             self._waiting.pop(i)
+            self.kv.unhold(s.req.request_id)  # its prefix is referenced now
             s.block_ids = hit.block_ids + own
             s.reused_blocks = s.committed = len(hit.block_ids)
             s.n_computed = s.reused_blocks * bs
@@ -477,6 +481,7 @@ class Engine:
         s.block_ids = []
 
     def _fail(self, s: _Seq, message: str) -> StepOutput:
+        self.kv.unhold(s.req.request_id)
         if s.block_ids:
             self.kv.release(s.block_ids)
             s.block_ids = []

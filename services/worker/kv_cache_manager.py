@@ -6,7 +6,8 @@
 
 Invariants:
   * a block hash lives in at most one tier of this worker (moves are moves, not copies);
-  * a block referenced by a running request (ref > 0) or pinned by a reader is never evicted;
+  * a block referenced by a running request (ref > 0), pinned by a reader, or held for a waiting
+    request (``hold``) is never evicted;
   * every store / move / drop is recorded as a :class:`KvEvent` (``drain_kv_events``), with parent
     hashes, so the fleet's prefix index can follow this worker exactly;
   * the namespace each block was stored under is kept (``namespace_of``) for tenant checks.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,9 @@ class KvCacheManager:
         self._reads: dict[int, list[tuple[str, int]]] = {}
         self._fleet_copies: Callable[[int], int] | None = None
         self._retained: dict[int, int] = {}
+        # hash → how many waiting requests hold it (``hold``), and each request's held hashes
+        self._held: dict[int, int] = {}
+        self._holds: dict[str, list[int]] = {}
 
     # ---- queries -----------------------------------------------------------------------------
     def tier_of(self, block_hash: int) -> str | None:
@@ -143,6 +147,37 @@ class KvCacheManager:
         with self._lock:
             for h in block_hashes:
                 self._retained[h] = max(until_ms, self._retained.get(h, 0))
+
+    def hold(self, key: str, block_hashes: list[int]) -> int:
+        """Keep the leading run of ``block_hashes`` held here from eviction until ``unhold(key)``,
+        unless nothing else is left to evict: a waiting request's prefix, pulled from a peer for it.
+        The fleet rule evicts a block that another worker also holds first, and a pulled block is one
+        by definition (its source still has it), so without this a busy worker evicted what it had
+        just pulled before the request that pulled it ran, and recomputed it. Holding again under
+        ``key`` replaces the hold. Returns how many blocks are held."""
+        with self._lock:
+            self._unhold(key)
+            run = block_hashes[: self.lookup_prefix(block_hashes)]
+            if run:
+                self._holds[key] = run
+                held = self._held
+                for h in run:
+                    held[h] = held.get(h, 0) + 1
+            return len(run)
+
+    def unhold(self, key: str) -> None:
+        """End ``hold(key)``'s hold (the request was admitted, or ended); nothing when none."""
+        with self._lock:
+            self._unhold(key)
+
+    def _unhold(self, key: str) -> None:
+        held = self._held
+        for h in self._holds.pop(key, ()):
+            n = held.get(h, 0) - 1
+            if n > 0:
+                held[h] = n
+            else:
+                held.pop(h, None)
 
     def is_retained(self, block_hash: int) -> bool:
         with self._lock:
@@ -419,11 +454,20 @@ class KvCacheManager:
         VICTIM_WINDOW: the rule looks no further): the fleet rule."""
         return pick_victim(candidates, self._held_elsewhere(), self._retained)
 
+    def _gpu_skip(self) -> Container[int]:
+        """The GPU block ids eviction passes over: pinned by a reader, or held for a waiting request."""
+        if not self._held:
+            return self._gpu_pins
+        held, pins, hash_of = self._held, self._gpu_pins, self.pool.hash_of
+        return _Skip(lambda b: b in pins or hash_of(b) in held)
+
     def _make_gpu_room(self, n: int) -> bool:
         """Evict cached GPU blocks until ``n`` are free; False if unreferenced blocks run out."""
         while self.pool.num_free < n:
             # only the rule's window: hashing every cached block per eviction was O(pool) Python work
-            cands = self.pool.lru_cached(VICTIM_WINDOW, skip=self._gpu_pins)
+            cands = self.pool.lru_cached(VICTIM_WINDOW, skip=self._gpu_skip())
+            if not cands and self._held:  # held blocks go last, but they never block a request
+                cands = self.pool.lru_cached(VICTIM_WINDOW, skip=self._gpu_pins)
             hashes = [self.pool.hash_of(b) for b in cands]
             i = self._pick(hashes)  # type: ignore[arg-type]  # a cached block always has its hash
             if i is None:
@@ -451,7 +495,9 @@ class KvCacheManager:
         """Free one slot of ``tier`` by demoting (DRAM → disk) or dropping its LRU victim."""
         if tier.num_free:
             return True
-        cands = tier.lru_unpinned(VICTIM_WINDOW, keep)
+        cands = tier.lru_unpinned(VICTIM_WINDOW, keep, self._held)
+        if not cands and self._held:  # held blocks go last, but they never block a store
+            cands = tier.lru_unpinned(VICTIM_WINDOW, keep)
         i = self._pick(cands)
         if i is None:
             return False
@@ -480,3 +526,15 @@ class KvCacheManager:
 
 
 __all__ = ["ROOT_HASH", "BlockMeta", "KvCacheManager", "PrefixHit"]
+
+
+class _Skip:
+    """A container defined by a predicate (``lru_cached``'s ``skip``)."""
+
+    __slots__ = ("_test",)
+
+    def __init__(self, test: Callable[[int], bool]) -> None:
+        self._test = test
+
+    def __contains__(self, item: object) -> bool:
+        return isinstance(item, int) and self._test(item)

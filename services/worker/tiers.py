@@ -10,6 +10,7 @@ readers (the block server) are not reused until unpinned, even after their block
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Container
 from itertools import islice
 from pathlib import Path
 
@@ -70,10 +71,10 @@ class HostTier:
         """Held hashes, least recently used first."""
         return list(self._lru)
 
-    def lru_unpinned(self, n: int, keep: int | None = None) -> list[int]:
-        """The ``n`` least recently used hashes that are neither pinned nor ``keep``, least recent
-        first: the eviction window, read without copying the whole order."""
-        return list(islice((h for h in self._lru if h != keep and not self.pinned(h)), n))
+    def lru_unpinned(self, n: int, keep: int | None = None, held: Container[int] = ()) -> list[int]:
+        """The ``n`` least recently used hashes that are neither pinned, ``keep`` nor ``held``, least
+        recent first: the eviction window, read without copying the whole order."""
+        return list(islice((h for h in self._lru if h != keep and h not in held and not self.pinned(h)), n))
 
     def get(self, block_hash: int) -> Tensor:
         assert self.tensor is not None

@@ -5,7 +5,8 @@ the built-in engine drives it (reuse the leading held run, allocate and commit t
 to the simulator's TieredCache. After every access both hold the same blocks in the same tiers: the
 same victims were chosen, the same demotions and drops made, and both announce them with the same
 KvEvents. With a fleet (blocks other workers hold are evicted first, and dropped from DRAM rather than
-kept on disk) too.
+kept on disk) too, and with a pulled prompt's blocks held until that prompt is next accessed
+(``KvCacheManager.hold`` live, ``TieredCache.pin`` simulated: evicted only when nothing else can go).
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def _tiers_sim(c: TieredCache, held: list[int]) -> dict[str, set[int]]:
 
 
 def _run(
-    tmp: Path, seq: list[tuple[int, int, bool]], caps: tuple[int, int, int], elsewhere: set[int] | None
+    tmp: Path,
+    seq: list[tuple[int, int, bool]],
+    caps: tuple[int, int, int],
+    elsewhere: set[int] | None,
+    holds: bool = False,
 ) -> None:
     kv = KvCacheManager(LAYOUT, *caps, disk_dir=tmp, worker_id="w-live")
     fleet = None
@@ -78,15 +83,24 @@ def _run(
             fleet.add(h)  # another worker's copy
     sim = TieredCache(*caps, fleet=fleet)
     universe = [d * 100 + i + 1 for d in range(6) for i in range(5)]
+    pins: dict[int, list[int]] = {}  # the simulated hold of each document's pulled prompt
     try:
         for step, (doc, n, pulled) in enumerate(seq):
             hashes, parents = _chain(doc, n)
             if pulled:
                 _live_fetch(kv, hashes, parents)
                 sim_runs = sim.insert(hashes, parents, 1)
+                if holds:  # held for the prompt that pulled it, until that prompt runs
+                    kv.hold(f"d{doc}", hashes)
+                    sim.unpin(pins.pop(doc, []))
+                    pins[doc] = hashes[: len(sim.prefix_tiers(hashes))]
+                    sim.pin(pins[doc])
             else:
                 _live_access(kv, hashes, parents)
                 sim_runs = sim.access(hashes, parents)
+                if holds:
+                    kv.unhold(f"d{doc}")
+                    sim.unpin(pins.pop(doc, []))
             where = f"after step {step}: {(doc, n, pulled)}"
             assert _tiers_live(kv) == _tiers_sim(sim, universe), where
             # and they announce it with the same KvEvents, run by run
@@ -113,3 +127,11 @@ def test_same_victims_with_a_fleet(
     tmp_path: Path, seq: list[tuple[int, int, bool]], elsewhere: set[int]
 ) -> None:
     _run(tmp_path, seq, (6, 4, 3), elsewhere)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq=prompts, elsewhere=st.sets(st.sampled_from([d * 100 + i + 1 for d in range(6) for i in range(5)])))
+def test_same_victims_with_pulled_prompts_held(
+    tmp_path: Path, seq: list[tuple[int, int, bool]], elsewhere: set[int]
+) -> None:
+    _run(tmp_path, seq, (6, 4, 3), elsewhere, holds=True)

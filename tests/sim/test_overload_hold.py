@@ -4,8 +4,9 @@ kvmesh holds a request while even its best worker has more than ``max_queue_ms``
 binding). ``max_hold_ms`` is a safety valve, not a pace: placing held requests after a fixed hold
 (it was 30 s) only moves the backlog into worker queues, committed early, where a request's prefix is
 evicted before it runs. On the public Mooncake trace at 4 workers and twice its arrival rate (about
-3x their capacity) the default must reuse far more of the prompts and finish sooner than a 30 s
-hold. The simulator is deterministic: this is a regression test of the rule, not a timing test.
+3x their capacity) the default must reuse more of the prompts, finish sooner and answer in under
+half the mean time of a 30 s hold. The simulator is deterministic: this is a regression test of the
+rule, not a timing test.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ def test_the_default_hold_keeps_prefixes_that_a_30s_hold_loses(tmp_path: Path) -
         assert s["requests"] == 2000 and s["rejected"] == 0
     # the regime under test: requests wait minutes, far past a 30 s hold
     assert short["ttft_p50_s"] > 60.0
-    # measured: 0.33 against 0.29 of prompt tokens from cache, a makespan of 515 against 565 s, a mean
-    # TTFT of 46 against 139 s (before held requests went by fair-queueing virtual time, with 2 s
-    # between a quiet worker's reports: 0.33 / 0.28, 526 / 569 s, 130 / 140 s)
-    assert default["kv_hit_fraction"] > short["kv_hit_fraction"] + 0.03
-    assert default["makespan_s"] < 0.95 * short["makespan_s"]
+    # measured: 0.331 against 0.318 of prompt tokens from cache, a makespan of 544 against 564 s, a
+    # mean TTFT of 55 against 154 s. Before a worker held the prefix it pulled for a queued request
+    # (KvCacheManager.hold), the early placements lost more of theirs: 0.33 against 0.29, 515 against
+    # 565 s, 46 against 139 s (that was also before KV capacity; with 2 s between a quiet worker's
+    # reports and no fair-queueing order: 0.33 / 0.28, 526 / 569 s, 130 / 140 s)
+    assert default["kv_hit_fraction"] > short["kv_hit_fraction"]
+    assert default["makespan_s"] < short["makespan_s"]
     assert default["ttft_mean_s"] < 0.5 * short["ttft_mean_s"]
 
 

@@ -204,6 +204,8 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_onc
 
     assert asyncio.run(pull()) == len(hashes)
     engine.kv_arrived("overlap-t2", len(hashes))
+    # what landed is held in the store for it until vLLM has loaded it (KvCacheManager.hold)
+    assert engine.store is not None and engine.store._holds == {"overlap-t2": hashes}
     out: list[int] = []
     stats = None
     while engine.has_work():
@@ -212,6 +214,7 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_onc
             stats = o.stats or stats
     assert stats is not None and stats.promoted_blocks == len(hashes)
     assert out == want
+    assert engine.store._holds == {} and engine.store._held == {}
 
 
 def test_another_tenant_fetches_nothing_and_recomputes(engine: VllmEngine) -> None:

@@ -327,6 +327,35 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_the_others_run() -> 
     assert first.stats.fallback == "expected 2 cached blocks, found 0; recomputed"
 
 
+def test_a_landed_pull_is_held_until_its_request_is_admitted_or_cancelled() -> None:
+    """What a pull brought stays in the cache while its request waits (KvCacheManager.hold), and the
+    hold ends when the engine admits the request (its blocks are referenced then) or drops it."""
+    prompt = _prompt(40, seed=4)
+    donor = _engine()
+    _run(donor, _req("first", prompt))  # computes the blocks a peer would send
+    eng = _engine(max_batch=1)
+    src = donor.block_source()
+    hashes = block_hashes(prompt, BS, NS)[:2]
+    blocks = []
+    for i, h in enumerate(hashes):
+        got = src.read_block(h)
+        assert got is not None
+        blocks.append((h, hashes[i - 1] if i else 0, bytes(got[1])))
+        src.release_read(h)
+    eng.add_request(_req("pulled", prompt, kv_pending=True))
+    eng.add_request(_req("cancelled", prompt, kv_pending=True))  # the same prompt, pulled once
+    assert eng.block_sink().commit_blocks(blocks, NS) == 2
+    eng.kv_arrived("pulled", 2)
+    eng.kv_arrived("cancelled", 2)
+    assert eng.kv._held == dict.fromkeys(hashes, 2)
+    assert eng.abort("cancelled")
+    assert eng.kv._held == dict.fromkeys(hashes, 1)
+    outs = _run(eng)
+    assert eng.kv._held == {} and eng.kv._holds == {}
+    [first] = [o for o in outs["pulled"] if o.stats is not None]
+    assert first.stats.reused_tokens == 2 * BS and first.stats.fallback is None
+
+
 def test_the_load_reports_room_for_the_next_prompt_and_when_running_requests_free_theirs() -> None:
     """The GPU tier's room (kvmesh_core/kv_room.py): free blocks less the queued prompts', and each
     running request's expected end with the blocks only it holds. A prompt that does not fit waits."""

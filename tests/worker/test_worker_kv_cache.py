@@ -221,6 +221,42 @@ def test_retained_blocks_are_evicted_last_and_kept_on_disk(tmp_path: Path) -> No
     assert m.tier_of(1) is None
 
 
+def test_a_pulled_prefix_is_held_for_its_request_until_it_is_admitted(tmp_path: Path) -> None:
+    """Blocks pulled from a peer are held elsewhere too, so the fleet rule takes them first; a hold
+    keeps them for the waiting request, and only as long as something else can go."""
+    m = _mgr(tmp_path, gpu=1, dram=3, disk=0)
+    m.set_fleet_copies(lambda h: 1 if h in (10, 11) else 0)  # the peer still holds what we pulled
+    n = LAYOUT.nbytes
+    assert m.commit_blocks([(10, 0, bytes(n)), (11, 10, bytes(n))], NS) == 2  # pulled into DRAM
+    assert m.hold("req-1", [10, 11, 12]) == 2  # the leading run held here
+    _store(m, 1, 0, 1.0)
+    _store(m, 2, 1, 2.0)  # 1 demoted into DRAM's last free slot
+    _store(m, 3, 2, 3.0)  # 2 demoted into a full DRAM: the rule would drop 10, the hold drops 1
+    assert m.tier_of(10) == m.tier_of(11) == "dram" and m.tier_of(1) is None
+    # a DRAM tier of held blocks alone: the hold gives way rather than block the store
+    assert m.hold("req-2", [2]) == 1
+    _store(m, 4, 3, 4.0)
+    assert m.tier_of(3) == "dram" and m.lookup_prefix([10, 11]) == 0
+    m.unhold("req-1")
+    m.unhold("req-1")  # twice, or for a request that held nothing: no effect
+    m.unhold("req-2")
+
+
+def test_unheld_pulled_blocks_are_the_first_victims_again(tmp_path: Path) -> None:
+    m = _mgr(tmp_path, gpu=1, dram=2, disk=0)
+    m.set_fleet_copies(lambda h: 1 if h == 10 else 0)
+    n = LAYOUT.nbytes
+    m.commit_blocks([(10, 0, bytes(n))], NS)
+    _store(m, 1, 0, 1.0)
+    m.hold("req-1", [10])
+    _store(m, 2, 1, 2.0)  # 1 demoted to DRAM beside 10: DRAM full
+    _store(m, 3, 2, 3.0)  # DRAM makes room: 10 is held, so the last copy 1 goes instead
+    assert m.tier_of(10) == "dram" and m.tier_of(1) is None
+    m.unhold("req-1")
+    _store(m, 4, 3, 4.0)  # unheld, the pulled block is the first victim again (a copy elsewhere)
+    assert m.tier_of(10) is None and m.tier_of(2) == "dram"
+
+
 def test_clear_drops_everything(tmp_path: Path) -> None:
     m = _mgr(tmp_path)
     for i in range(1, 4):

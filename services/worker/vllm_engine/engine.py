@@ -408,10 +408,14 @@ class VllmEngine:
         t = self._tracks.get(request_id)
         if t is not None:
             t.req.expected_reuse_blocks = expected_reuse_blocks
+            if self.store is not None:
+                # what it pulled stays in the store until vLLM has loaded it (KvCacheManager.hold)
+                self.store.hold(request_id, list(t.req.block_hashes[:expected_reuse_blocks]))
         self._set_awaiting(request_id, False)
 
     def abort(self, request_id: str) -> bool:
         self._set_awaiting(request_id, False)
+        self._unhold(request_id)
         if self._tracks.pop(request_id, None) is None:
             return False
         self._llm.abort_request([request_id])
@@ -440,6 +444,7 @@ class VllmEngine:
             # engine loop) forever, so it ends with an error rather than silently.
             for rid in list(self._tracks):
                 self._tracks.pop(rid)
+                self._unhold(rid)
                 out.append(StepOutput(rid, [], True, "error", error="vLLM dropped the request"))
             self._refresh_load()
             return out
@@ -461,6 +466,7 @@ class VllmEngine:
                 with contextlib.suppress(Exception):
                     self._llm.abort_request([rid])
                 self._tracks.pop(rid, None)
+                self._unhold(rid)
                 out.append(StepOutput(rid, [], True, "error", error=f"vLLM step failed: {e}"))
             self._refresh_load()
             return out
@@ -485,6 +491,8 @@ class VllmEngine:
                     fallback=self._fallback(t, reused),
                 )
             finished = bool(r.finished)
+            if first or finished:
+                self._unhold(r.request_id)  # vLLM has loaded its prefix: it computed a token
             reason = _FINISH.get(c.finish_reason or "stop", "stop") if finished else None
             t.generated += len(new)
             if finished:
@@ -495,6 +503,10 @@ class VllmEngine:
             out.append(StepOutput(r.request_id, new, finished, reason, first, stats, logprobs=lps))
         self._refresh_load()
         return out
+
+    def _unhold(self, request_id: str) -> None:
+        if self.store is not None:
+            self.store.unhold(request_id)
 
     def _fallback(self, t: _Track, reused: int) -> str | None:
         bs = self.block_size

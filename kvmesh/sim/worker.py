@@ -17,6 +17,9 @@ the peer reads blocks held in its lower tiers, the link carries them, they land 
 without one) and the prefill promotes them. The worker serves what
 it really holds, not what the scheduler believed: a planned block the peer no longer has ends the pull
 there, and the prefill reuses the longest local prefix at the time it starts and recomputes the rest.
+From the moment a request is queued, the prefix it finds here (extended by what its pull brings) is
+pinned until its prefill has read it, as the live engine holds it (``KvCacheManager.hold``): pinned
+blocks are evicted only when nothing else can go.
 How an assignment meets a pull in flight is ``admission``:
 
 - ``overlap`` (the default, what the live worker does, ``WorkerSettings.admission``; vLLM's
@@ -45,7 +48,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import msgspec
@@ -125,6 +128,7 @@ class Job:
     prefill_ms: float = 0.0
     fetch_range: tuple[int, int] = (0, 0)  # blocks [lo, hi) pulled from peers before queueing
     fetched_blocks: int = 0
+    held: list[int] = field(default_factory=list)  # its prefix, pinned in the cache until its prefill
     ready: bool = True  # False while its pull is in flight (overlap admission only)
     # KV capacity: the prompt's tokens, blocks and full blocks (set when queued), and of its full
     # blocks how many no other running request holds
@@ -276,6 +280,7 @@ class SimWorker:
         self._admit(job, now_ms)
 
     def _admit(self, job: Job, now_ms: float) -> None:
+        self._hold_prefix(job)
         if job.fetch:
             done = self._plan_fetch(job, now_ms)
             if done is not None:
@@ -329,9 +334,7 @@ class SimWorker:
         hashes = int_list(job.request.block_hashes)
         parents = chain_parents(hashes, lo, hi - lo)
         self._publish(self.cache.insert(hashes[lo:hi], parents, 1), job, now_ms)
-        # its prefix, pulled blocks included, is kept until its prefill has read it, as the live
-        # engine holds it until the request is admitted (KvCacheManager.hold)
-        self.cache.pin(hashes[:hi])
+        self._hold_prefix(job)  # what it pulled extends the prefix it holds
         job.fetched_blocks = hi - lo
         if job.ready:
             self._enqueue(job, now_ms)
@@ -340,6 +343,18 @@ class SimWorker:
             self._wake(now_ms)
         while self._held and now_ms >= self._link_free:
             self._admit(self._held.popleft(), now_ms)
+
+    def _hold_prefix(self, job: Job) -> None:
+        """Pin the leading run of ``job``'s prompt held here, instead of what it held, until its
+        prefill has read it: a queued request keeps its prefix, as the live engine holds it from the
+        moment the request is queued until it is admitted (``KvCacheManager.hold``)."""
+        hashes = int_list(job.request.block_hashes)
+        self._hold(job, hashes[: len(self.cache.prefix_tiers(hashes))])
+
+    def _hold(self, job: Job, hashes: list[int]) -> None:
+        self.cache.unpin(job.held)
+        job.held = hashes
+        self.cache.pin(hashes)
 
     def _enqueue(self, job: Job, now_ms: float) -> None:
         job.kv_tokens = len(job.request.token_ids)
@@ -562,8 +577,7 @@ class SimWorker:
         hashes = int_list(req.block_hashes)
         parents = [0, *hashes[:-1]] if hashes else []
         self._store(hashes, parents, job, now_ms)
-        if job.fetched_blocks:
-            self.cache.unpin(hashes[: job.fetch_range[1]])  # read: its blocks are the most recent now
+        self._hold(job, [])  # read: its blocks are the most recent now
         job.first_token_ms = now_ms
         job.remaining = req.max_tokens - 1
         job.fetch = []

@@ -266,6 +266,9 @@ class Engine:
             if any(s.req.request_id == req.request_id for s in self._waiting + self._running):
                 raise RequestRejected(f"request {req.request_id} is already queued")
             self._waiting.append(seq)
+            # the prefix it finds here stays until it is admitted (KvCacheManager.hold): the prompts
+            # queued ahead of it would otherwise evict it before it runs
+            self.kv.hold(req.request_id, seq.hashes)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; the next ``step()`` reports it finished with reason "cancelled"."""
@@ -288,8 +291,7 @@ class Engine:
                 if s.req.request_id == request_id:
                     s.kv_pending = False
                     s.req.expected_reuse_blocks = expected_reuse_blocks
-                    # what it pulled stays until it is admitted (KvCacheManager.hold)
-                    self.kv.hold(request_id, s.hashes[:expected_reuse_blocks])
+                    self.kv.hold(request_id, s.hashes)  # what it pulled extends the prefix it holds
 
     def has_work(self) -> bool:
         with self._lock:

@@ -356,6 +356,22 @@ def test_a_landed_pull_is_held_until_its_request_is_admitted_or_cancelled() -> N
     assert first.stats.reused_tokens == 2 * BS and first.stats.fallback is None
 
 
+def test_a_queued_request_holds_the_prefix_it_found_until_it_is_admitted() -> None:
+    """The prompts queued ahead of a request must not evict the prefix it will reuse: it holds the
+    leading run it finds when it is queued (KvCacheManager.hold) until the engine admits it."""
+    prompt = _prompt(40, seed=6)
+    eng = _engine(max_batch=1)
+    _run(eng, _req("first", prompt))
+    eng.add_request(_req("ahead", _prompt(30, seed=7)))
+    eng.add_request(_req("again", prompt, session_id="s2"))
+    hashes = block_hashes(prompt, BS, NS)
+    assert eng.kv._holds == {"again": hashes} and eng.kv._holds.keys() == {"again"}
+    outs = _run(eng)
+    assert eng.kv._holds == {} and eng.kv._held == {}
+    [first] = [o for o in outs["again"] if o.stats is not None]
+    assert first.stats.reused_tokens == len(hashes) * BS
+
+
 def test_the_load_reports_room_for_the_next_prompt_and_when_running_requests_free_theirs() -> None:
     """The GPU tier's room (kvmesh_core/kv_room.py): free blocks less the queued prompts', and each
     running request's expected end with the blocks only it holds. A prompt that does not fit waits."""

@@ -386,6 +386,10 @@ class VllmEngine:
             self._set_awaiting(rid, False)
             raise RequestRejected(f"request {rid}: vLLM refused it: {e}") from e
         self._tracks[rid] = _Track(req, time.perf_counter(), n)
+        if self.store is not None:
+            # its prefix in the store stays until vLLM has loaded it (KvCacheManager.hold): the
+            # prompts queued ahead of it would otherwise evict it before it runs
+            self.store.hold(rid, list(req.block_hashes))
         self._refresh_load()
 
     def _set_awaiting(self, request_id: str, pulling: bool) -> None:
@@ -408,9 +412,8 @@ class VllmEngine:
         t = self._tracks.get(request_id)
         if t is not None:
             t.req.expected_reuse_blocks = expected_reuse_blocks
-            if self.store is not None:
-                # what it pulled stays in the store until vLLM has loaded it (KvCacheManager.hold)
-                self.store.hold(request_id, list(t.req.block_hashes[:expected_reuse_blocks]))
+            if self.store is not None:  # what it pulled extends the prefix it holds
+                self.store.hold(request_id, list(t.req.block_hashes))
         self._set_awaiting(request_id, False)
 
     def abort(self, request_id: str) -> bool:
@@ -473,6 +476,8 @@ class VllmEngine:
         for r in results:
             t = self._tracks.get(r.request_id)
             if t is None or not r.outputs:
+                if r.finished:
+                    self._unhold(r.request_id)
                 continue
             c = r.outputs[0]
             new = list(c.token_ids)

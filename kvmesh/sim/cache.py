@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Set as AbstractSet
 from itertools import filterfalse, islice
 
+from kvmesh_core.counts import add_counts, remove_counts
 from kvmesh_core.event_runs import EventRun, EventRuns
 from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, victims_in_turn
 from schemas.messages import TIERS
@@ -169,18 +170,10 @@ class TieredCache:
         """Evict ``hashes`` only when nothing else is left, until :meth:`unpin`: a queued request's
         prefix, pulled for it (the live ``KvCacheManager.hold``). The fleet rule would evict them
         first, since the peer they came from still holds them."""
-        pinned = self._pinned
-        for h in hashes:
-            pinned[h] = pinned.get(h, 0) + 1
+        add_counts(self._pinned, hashes)
 
     def unpin(self, hashes: list[int]) -> None:
-        pinned = self._pinned
-        for h in hashes:
-            n = pinned.get(h, 0) - 1
-            if n > 0:
-                pinned[h] = n
-            else:
-                pinned.pop(h, None)
+        remove_counts(self._pinned, hashes)
 
     def _held_elsewhere(self) -> HeldElsewhere | None:
         return self._fleet.held_elsewhere if self._fleet is not None else None

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvmesh_core.counts import add_counts, remove_counts
+
 
 class ActiveBlocks:
     """Owns, per worker, a refcount of the prompt blocks of its active (routed, not completed) requests."""
@@ -39,9 +41,7 @@ class ActiveBlocks:
         if request_id in self._by_request:
             return
         hashes = list(block_hashes)
-        counts = self._counts.setdefault(worker_id, {})
-        for h in hashes:
-            counts[h] = counts.get(h, 0) + 1
+        add_counts(self._counts.setdefault(worker_id, {}), hashes)
         self._by_request[request_id] = (worker_id, hashes)
         if hashes:
             starts = self._starts.setdefault(hashes[0], {})
@@ -57,12 +57,7 @@ class ActiveBlocks:
         counts = self._counts.get(worker_id)
         if counts is None:
             return
-        for h in hashes:
-            n = counts.get(h, 0) - 1
-            if n > 0:
-                counts[h] = n
-            else:
-                counts.pop(h, None)
+        remove_counts(counts, hashes)
 
     def drop_worker(self, worker_id: str) -> None:
         self._counts.pop(worker_id, None)

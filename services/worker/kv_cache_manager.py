@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kvmesh_core.counts import add_counts, remove_counts
 from kvmesh_core.event_runs import EventRuns
 from kvmesh_core.eviction import VICTIM_WINDOW, HeldElsewhere, dram_victim_to_disk, pick_victim
 from schemas.blocks import ROOT_HASH
@@ -160,9 +161,7 @@ class KvCacheManager:
             run = block_hashes[: self.lookup_prefix(block_hashes)]
             if run:
                 self._holds[key] = run
-                held = self._held
-                for h in run:
-                    held[h] = held.get(h, 0) + 1
+                add_counts(self._held, run)
             return len(run)
 
     def unhold(self, key: str) -> None:
@@ -171,13 +170,7 @@ class KvCacheManager:
             self._unhold(key)
 
     def _unhold(self, key: str) -> None:
-        held = self._held
-        for h in self._holds.pop(key, ()):
-            n = held.get(h, 0) - 1
-            if n > 0:
-                held[h] = n
-            else:
-                held.pop(h, None)
+        remove_counts(self._held, self._holds.pop(key, ()))
 
     def is_retained(self, block_hash: int) -> bool:
         with self._lock:

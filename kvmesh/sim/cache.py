@@ -18,6 +18,7 @@ KvEvents a real worker would::
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from itertools import filterfalse, islice
 
@@ -76,7 +77,7 @@ class TieredCache:
         self._where: dict[int, int] = {}
         self._parent: dict[int, int] = {}  # what KvEvents name as each held block's parent
         self._fleet = fleet  # None: plain LRU
-        # blocks pulled for a queued request, kept until its prefill reads them (count per hash)
+        # queued requests' prefixes, kept until their prefills read them (count per hash)
         self._pinned: dict[int, int] = {}
 
     def tier_of(self, h: int) -> int | None:
@@ -168,8 +169,7 @@ class TieredCache:
 
     def pin(self, hashes: list[int]) -> None:
         """Evict ``hashes`` only when nothing else is left, until :meth:`unpin`: a queued request's
-        prefix, pulled for it (the live ``KvCacheManager.hold``). The fleet rule would evict them
-        first, since the peer they came from still holds them."""
+        prefix, what its pull brought included (the live ``KvCacheManager.hold``)."""
         add_counts(self._pinned, hashes)
 
     def unpin(self, hashes: list[int]) -> None:
@@ -194,19 +194,23 @@ class TieredCache:
         # loses each victim while they are read.
         skip = busy if keep is None or keep not in store else {*busy, keep}
         pinned = self._pinned
-        free = (
-            (h for h in store if h not in skip and h not in pinned)
-            if pinned
-            else filterfalse(skip.__contains__, store)
-        )
+
+        def window(of_pinned: bool) -> list[int]:
+            free: Iterator[int]
+            if of_pinned:
+                free = (h for h in store if h in pinned and h not in skip)
+            elif pinned:
+                free = (h for h in store if h not in skip and h not in pinned)
+            else:
+                free = filterfalse(skip.__contains__, store)
+            return list(islice(free, need + VICTIM_WINDOW))
+
         held = self._held_elsewhere()
-        for h in islice(victims_in_turn(list(islice(free, need + VICTIM_WINDOW)), held), need):
-            del store[h]
-            self._demote(tier, h, log, busy)
-            need -= 1
-        if need and pinned:  # pinned blocks go last, but they never block a store (as the live hold)
-            last = (h for h in store if h in pinned and h not in skip)
-            for h in islice(victims_in_turn(list(islice(last, need + VICTIM_WINDOW)), held), need):
+        # pinned blocks go last, but they never block a store (as the live hold)
+        for of_pinned in (False, True) if pinned else (False,):
+            if not need:
+                break
+            for h in islice(victims_in_turn(window(of_pinned), held), need):
                 del store[h]
                 self._demote(tier, h, log, busy)
                 need -= 1

@@ -6,15 +6,16 @@
 
 Invariants:
   * a block hash lives in at most one tier of this worker (moves are moves, not copies);
-  * a block referenced by a running request (ref > 0), pinned by a reader, or held for a waiting
-    request (``hold``) is never evicted;
+  * a block referenced by a running request (ref > 0) or pinned by a reader is never evicted; one
+    held for a waiting request (``hold``) only when nothing else can go;
   * every store / move / drop is recorded as a :class:`KvEvent` (``drain_kv_events``), with parent
     hashes, so the fleet's prefix index can follow this worker exactly;
   * the namespace each block was stored under is kept (``namespace_of``) for tenant checks.
 
 Eviction takes the least recently used unreferenced block, except that blocks the fleet holds
 elsewhere (``set_fleet_copies``) go first and retained blocks (``retain``) last; from DRAM, blocks
-with copies elsewhere are dropped while last copies and retained blocks are demoted to disk.
+with copies elsewhere are dropped while last copies and retained blocks are demoted to disk. Blocks
+held for waiting requests (``hold``) are passed over while any other block can go.
 
 One ``threading.RLock`` guards everything: the block server reads from the event-loop thread while
 the engine steps in another.
@@ -151,11 +152,11 @@ class KvCacheManager:
 
     def hold(self, key: str, block_hashes: list[int]) -> int:
         """Keep the leading run of ``block_hashes`` held here from eviction until ``unhold(key)``,
-        unless nothing else is left to evict: a waiting request's prefix, pulled from a peer for it.
-        The fleet rule evicts a block that another worker also holds first, and a pulled block is one
-        by definition (its source still has it), so without this a busy worker evicted what it had
-        just pulled before the request that pulled it ran, and recomputed it. Holding again under
-        ``key`` replaces the hold. Returns how many blocks are held."""
+        unless nothing else is left to evict: a waiting request's prefix, from the moment it is queued
+        (the prompts queued ahead of it would evict it) and again when its pull has landed (the fleet
+        rule evicts first a block another worker also holds, and a pulled block is one by definition:
+        a busy worker evicted what it had just pulled before the request that pulled it ran). Holding
+        again under ``key`` replaces the hold. Returns how many blocks are held."""
         with self._lock:
             self._unhold(key)
             run = block_hashes[: self.lookup_prefix(block_hashes)]
@@ -456,9 +457,10 @@ class KvCacheManager:
 
     def _make_gpu_room(self, n: int) -> bool:
         """Evict cached GPU blocks until ``n`` are free; False if unreferenced blocks run out."""
+        skip = self._gpu_skip()  # holds and pins do not change while room is made
         while self.pool.num_free < n:
             # only the rule's window: hashing every cached block per eviction was O(pool) Python work
-            cands = self.pool.lru_cached(VICTIM_WINDOW, skip=self._gpu_skip())
+            cands = self.pool.lru_cached(VICTIM_WINDOW, skip=skip)
             if not cands and self._held:  # held blocks go last, but they never block a request
                 cands = self.pool.lru_cached(VICTIM_WINDOW, skip=self._gpu_pins)
             hashes = [self.pool.hash_of(b) for b in cands]

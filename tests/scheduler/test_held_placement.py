@@ -84,7 +84,7 @@ def test_a_pull_passes_the_next_in_line_only_by_more_than_the_work_it_adds() -> 
     disp.submit(hit("old", arrival_ms=1000))  # type: ignore[arg-type]
     disp.submit(request("mine", [*own, 4, 5, 6], arrival_ms=1010))
     for i in range(20):  # more requests for w-0
-        disp.submit(request(f"bg{i}", [*CACHED, 100 + i], arrival_ms=1020 + i))
+        disp.submit(request(f"bg{i}", [*CACHED, 100 + i], arrival_ms=1185))
     assert disp.drain(1050) == [] and len(disp) == 23
     view.apply_load(idle("w-1", 1100))
     out = disp.drain(1100)
@@ -192,3 +192,41 @@ def test_a_prefix_an_active_request_is_computing_counts_as_cached_on_its_worker(
     view.note_completion(Completion("t2", "s", w, "stop", 1088, 8))
     a3 = router.decide(request("t3", [*turn1, *prompt(64, 4)], session="s", arrival_ms=1002), 1002).assignment
     assert a3 is not None and a3.reuse_blocks == 0
+
+
+def test_a_turn_is_not_pulled_to_compute_a_history_its_predecessor_is_computing_elsewhere() -> None:
+    """Far past capacity a conversation's turns queue together. Both turns were parked before either
+    was assigned, when their history was cached nowhere: the first on w-0, the second on w-1. w-0
+    then takes the first turn, and w-2 gets room. Pulling the second turn there would compute the
+    same 2,048-token history a second time, beside w-0: the pull charges that work against the least
+    the fleet could do now (on w-0, behind the first turn), not against its price when parked, and
+    the turn waits for w-0, where it reuses the history."""
+    view = FleetView()
+    for w, tokens in (("w-0", 20_000), ("w-1", 21_000), ("w-2", 22_000)):
+        view.apply_load(idle(w, 1000, queue_depth=1, queued_prefill_tokens=tokens))
+    history = prompt(2048, 11)
+    disp = FairDispatcher(Router(view, RouterSettings(max_queue_ms=100)))
+    disp.submit(request("t1", [*history, 1], arrival_ms=1000, session="chat"))
+    assert disp.drain(1001) == []  # parked on w-0, the least loaded
+    view.apply_load(idle("w-0", 1010, queue_depth=1, queued_prefill_tokens=23_000))
+    disp.submit(request("t2", [*history, 1, *prompt(256, 12)], arrival_ms=1011, session="chat"))
+    assert disp.drain(1012) == []  # parked on w-1, the least loaded now
+    view.apply_load(idle("w-0", 1100))
+    first = disp.drain(1100)
+    assert [(d.assignment.request.request_id, d.assignment.worker_id) for d in first if d.assignment] == [
+        ("t1", "w-0")
+    ]
+    # a backlog of held requests, after the second turn in the order
+    view.apply_kv_event(stored("w-1", request("x", CACHED).block_hashes))
+    for i in range(40):
+        disp.submit(request(f"bg{i}", [*CACHED, 100 + i], arrival_ms=1185))
+    assert disp.drain(1190) == [] and len(disp) == 41
+    view.apply_load(idle("w-2", 1200))
+    assert "t2" not in [d.assignment.request.request_id for d in disp.drain(1200) if d.assignment]
+    # w-0 has stored the history and has room: it pulls the second turn, which reuses it
+    view.apply_kv_event(stored("w-0", request("y", [*history, 1]).block_hashes, event_ms=1290))
+    view.apply_load(idle("w-0", 1300))
+    placed = [d for d in disp.drain(1300) if d.assignment and d.assignment.request.request_id == "t2"]
+    assert len(placed) == 1 and placed[0].pulled
+    a = placed[0].assignment
+    assert a is not None and a.worker_id == "w-0" and a.reuse_blocks == 128

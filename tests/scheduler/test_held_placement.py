@@ -200,7 +200,7 @@ def test_a_turn_is_not_pulled_to_compute_a_history_its_predecessor_is_computing_
     then takes the first turn, and w-2 gets room. Pulling the second turn there would compute the
     same 2,048-token history a second time, beside w-0: the pull charges that work against the least
     the fleet could do now (on w-0, behind the first turn), not against its price when parked, and
-    the turn waits for w-0, where it reuses the history."""
+    the turn moves to wait for w-0, where it reuses the history."""
     view = FleetView()
     for w, tokens in (("w-0", 20_000), ("w-1", 21_000), ("w-2", 22_000)):
         view.apply_load(idle(w, 1000, queue_depth=1, queued_prefill_tokens=tokens))
@@ -223,10 +223,11 @@ def test_a_turn_is_not_pulled_to_compute_a_history_its_predecessor_is_computing_
     assert disp.drain(1190) == [] and len(disp) == 41
     view.apply_load(idle("w-2", 1200))
     assert "t2" not in [d.assignment.request.request_id for d in disp.drain(1200) if d.assignment]
-    # w-0 has stored the history and has room: it pulls the second turn, which reuses it
+    # it waits parked on w-0 now (not w-1), so w-0, once it has stored the history and has room,
+    # places it at once, where it reuses the history
     view.apply_kv_event(stored("w-0", request("y", [*history, 1]).block_hashes, event_ms=1290))
     view.apply_load(idle("w-0", 1300))
     placed = [d for d in disp.drain(1300) if d.assignment and d.assignment.request.request_id == "t2"]
-    assert len(placed) == 1 and placed[0].pulled
+    assert len(placed) == 1 and not placed[0].pulled
     a = placed[0].assignment
     assert a is not None and a.worker_id == "w-0" and a.reuse_blocks == 128

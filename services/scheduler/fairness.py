@@ -466,9 +466,9 @@ class FairDispatcher:
             share = len(self) / max(len(live), 1)
             waits += (own - least) * share
             for c in others:
-                if c.worker_id != home and c.ttft_ms + (c.work_ms - least) * share < waits:
-                    waits = c.ttft_ms + (c.work_ms - least) * share
-                    move_to = c
+                cost = c.ttft_ms + (c.work_ms - least) * share
+                if c.worker_id != home and cost < waits:
+                    waits, move_to = cost, c
             charge = max(0.0, there.work_ms - least) * share
         if there is None or there.ttft_ms + charge >= waits:
             no_pull.add(req.request_id)

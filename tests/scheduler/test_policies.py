@@ -422,3 +422,21 @@ def test_the_steps_the_queued_prefills_carry_are_not_counted_twice() -> None:
     assert view.kv_wait_ms(w0, 640, 1000) == 7 * step  # 40 blocks: after the first release
     assert view.kv_wait_ms(w0, 1500, 1000) == 37 * step  # 94 blocks: after both
     assert view.kv_wait_ms(w0, 16 * 2, 1000) == 7 * step  # even 2 blocks: the queue itself waits
+
+
+def test_price_at_holders_scores_the_workers_storing_or_computing_the_prefix() -> None:
+    """A parked request's alternatives (FairDispatcher._pull_target): w-1 stores part of the prompt,
+    w-2 is computing all of it for a request assigned before, w-0 (draining) stores it but takes no
+    work, w-3 holds none of it, and ``but`` leaves w-1 out when asked."""
+    view = fleet(4, w_0={"draining": True}, w_1=BUSY, w_3=BUSY)
+    req = request("r1", prompt(100))  # 6 full blocks
+    view.apply_kv_event(stored("w-0", req.block_hashes))
+    router = Router(view, RouterSettings())
+    first = router.decide(request("r0", [*req.token_ids, 7, 8]), 1000).assignment
+    assert first is not None and first.worker_id == "w-2"  # the idle one: it is computing the prefix now
+    view.apply_kv_event(stored("w-1", req.block_hashes[:2]))
+    scored = {c.worker_id: c for c in router.price_at_holders(req, 1001, but="none")}
+    assert sorted(scored) == ["w-1", "w-2"]
+    assert scored["w-2"].cached_blocks == 6 and scored["w-1"].cached_blocks == 2
+    assert scored["w-2"].work_ms < scored["w-1"].work_ms
+    assert [c.worker_id for c in router.price_at_holders(req, 1001, but="w-1")] == ["w-2"]

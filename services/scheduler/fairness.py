@@ -162,10 +162,13 @@ class TenantQueue:
     def take_parked(self, worker: str, request_id: str) -> Entry:
         """Remove and return the request ``request_id`` parked on ``worker`` (it must be there)."""
         heap = self._parked[worker]
-        e = heap.pop(next(i for i, e in enumerate(heap) if e[2].request_id == request_id))
-        if heap:
-            heapq.heapify(heap)
+        i = next(i for i, e in enumerate(heap) if e[2].request_id == request_id)
+        if i == 0:  # the usual case: a worker's first parked request moves (FairDispatcher._pull_target)
+            e = heapq.heappop(heap)
         else:
+            e = heap.pop(i)
+            heapq.heapify(heap)
+        if not heap:
             del self._parked[worker]
         self._n -= 1
         return e
@@ -287,8 +290,7 @@ class FairDispatcher:
             gone = q.remove_if(lambda r: r.request_id == request_id)
             if gone:
                 self._forget(gone)
-                if not q:
-                    self._active.remove(tenant)
+                self._retire_if_empty(tenant, q)
                 return gone[0][0][2]
         return None
 
@@ -378,9 +380,7 @@ class FairDispatcher:
                     if d.assignment is not None:
                         rooms.pop(d.assignment.worker_id, None)
                     progress = True
-                if not q:
-                    self._active.remove(tenant)
-                    self._deficit[tenant] = 0
+                self._retire_if_empty(tenant, q)
             if not progress or all(t in blocked for t in self._active):
                 break
         if self._by_arrival:
@@ -412,9 +412,7 @@ class FairDispatcher:
                 return
             self._left(entry[2])
             out.append(d)
-            if not q:
-                self._active.remove(tenant)
-                self._deficit[tenant] = 0
+            self._retire_if_empty(tenant, q)
 
     def _pull_target(
         self,
@@ -505,6 +503,12 @@ class FairDispatcher:
             self._left(e[2])
             self._unpark(e, where)
 
+    def _retire_if_empty(self, tenant: str, q: TenantQueue) -> None:
+        """A tenant whose queue emptied leaves the round, its deficit spent (submit restarts both)."""
+        if not q:
+            self._active.remove(tenant)
+            self._deficit[tenant] = 0
+
     def _finish_round(self) -> None:
         # the next drain starts with the next tenant, so no tenant is always served first
         if len(self._active) > 1:
@@ -522,6 +526,4 @@ class FairDispatcher:
             for (_, _, req), _where in gone:
                 rejected = deadline_rejection(req, now_ms) or rejection(req, "deadline exceeded")
                 out.append(Decision(None, rejected, [], reason="deadline"))
-            if not q:
-                self._active.remove(tenant)
-                self._deficit[tenant] = 0
+            self._retire_if_empty(tenant, q)

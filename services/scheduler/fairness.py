@@ -240,6 +240,8 @@ class FairDispatcher:
         self.deferrals: Counter[str] = Counter()
         #: Held requests placed on a worker with room that pulled them from a busier one.
         self.pulled = 0
+        #: Parked requests moved to wait on a worker storing or computing more of their prompt.
+        self.moved = 0
 
     def __len__(self) -> int:
         return sum(self._held_by_model.values())
@@ -476,6 +478,7 @@ class FairDispatcher:
                 entry = q.take_parked(home, req.request_id)
                 self._unpark(entry, home)
                 self._park(q, entry, move_to.worker_id, move_to.work_ms)
+                self.moved += 1
             return None
         # It passes the next request in line only by the lead its order gives it, less that charge.
         # The lead is in virtual ms, which a deep backlog shortens. Charging the extra work once, not

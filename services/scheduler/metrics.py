@@ -88,7 +88,13 @@ def compare(p: Prediction, c: Completion) -> Outcome | None:
 class SchedulerMetrics:
     """Owns the registry and every metric a scheduler replica exports; labels are bounded."""
 
-    def __init__(self, policy: str, deferrals: Callable[[], dict[str, int]], held: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        policy: str,
+        deferrals: Callable[[], dict[str, int]],
+        held: Callable[[], int],
+        moves: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.policy = policy
         self.registry = r = CollectorRegistry()
         self.decision_seconds = Histogram(
@@ -176,7 +182,7 @@ class SchedulerMetrics:
             registry=r,
         )
         self._pending: OrderedDict[str, Prediction] = OrderedDict()
-        r.register(_Dispatcher(deferrals, held))
+        r.register(_Dispatcher(deferrals, held, moves))
 
     def value(self, name: str, **labels: str) -> float:
         """The current value of one sample (``redispatches_total``): for tests and logs."""
@@ -211,9 +217,12 @@ class SchedulerMetrics:
 class _Dispatcher(Collector):
     """The fair dispatcher's own counts, read when Prometheus scrapes."""
 
-    def __init__(self, deferrals: Callable[[], dict[str, int]], held: Callable[[], int]) -> None:
+    def __init__(
+        self, deferrals: Callable[[], dict[str, int]], held: Callable[[], int], moves: Callable[[], int]
+    ) -> None:
         self.deferrals = deferrals
         self.held = held
+        self.moves = moves
 
     def collect(self) -> Iterator[Metric]:
         fam = CounterMetricFamily(
@@ -226,4 +235,9 @@ class _Dispatcher(Collector):
         yield fam
         yield GaugeMetricFamily(
             "kvmesh_scheduler_held_requests", "Requests queued undecided.", value=self.held()
+        )
+        yield CounterMetricFamily(
+            "kvmesh_scheduler_parked_moves",
+            "Held requests moved to wait on a worker that stores or is computing more of their prompt.",
+            value=self.moves(),
         )

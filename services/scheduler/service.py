@@ -82,7 +82,10 @@ class SchedulerService:
         self.router = Router(self.view, settings.router_settings(), settings.scheduler_id)
         self.dispatcher = FairDispatcher(self.router, settings.quantum_tokens, settings.held_ahead)
         self.metrics = SchedulerMetrics(
-            settings.policy, lambda: self.dispatcher.deferrals, lambda: len(self.dispatcher)
+            settings.policy,
+            lambda: self.dispatcher.deferrals,
+            lambda: len(self.dispatcher),
+            lambda: self.dispatcher.moved,
         )
         self.metrics.registry.register(
             ConsumerCollector(

@@ -223,6 +223,9 @@ def test_a_turn_is_not_pulled_to_compute_a_history_its_predecessor_is_computing_
     assert disp.drain(1190) == [] and len(disp) == 41
     view.apply_load(idle("w-2", 1200))
     assert "t2" not in [d.assignment.request.request_id for d in disp.drain(1200) if d.assignment]
+    assert disp.moved == 1 and disp.pulled == 0
+    metrics = SchedulerMetrics("kvmesh", lambda: disp.deferrals, lambda: len(disp), lambda: disp.moved)
+    assert metrics.value("parked_moves_total") == 1
     # it waits parked on w-0 now (not w-1), so w-0, once it has stored the history and has room,
     # places it at once, where it reuses the history
     view.apply_kv_event(stored("w-0", request("y", [*history, 1]).block_hashes, event_ms=1290))

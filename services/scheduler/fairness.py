@@ -447,7 +447,10 @@ class FairDispatcher:
         home_ws = view.workers.get(home)
         own = self._parked_req[req.request_id][2]  # its prefill at home, as priced when parked
         waits = math.inf if home_ws is None else view.queue_ms(home_ws, now_ms) + own
-        there = None if target[0] == home else router.price(req, now_ms, target[0])
+        there: CandidateScore | None = None
+        others: list[CandidateScore] = []
+        if target[0] != home:
+            there, others = router.price_beside_holders(req, now_ms, target[0])
         # The work it adds there (a prefix home holds and the target does not) is charged as the
         # router charges extra work: once per request held per live worker, since every one of them
         # waits for it. A session's turn then rarely leaves its history for a worker that would have
@@ -461,7 +464,6 @@ class FairDispatcher:
             # worker may now do the least work for it. Every alternative is charged the same way.
             # (a worker holding none of its prompt does as much work as the target, and its queue is
             # no shorter, since the target is the least loaded)
-            others = router.price_at_holders(req, now_ms, target[0])
             least = min([own, *(c.work_ms for c in others)])
             share = len(self) / max(len(live), 1)
             waits += (own - least) * share

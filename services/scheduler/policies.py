@@ -241,14 +241,21 @@ def ahead_of(view: FleetView, req: ChatRequest, now_ms: int) -> dict[str, int]:
     }
 
 
+def prefix_workers(found: list[Holder], ahead: dict[str, int]) -> set[str]:
+    """The candidates a prefix gives: the workers storing a leading run of the prompt (``found``;
+    draining ones are fetch sources only) or computing one for a request assigned before (``ahead``)."""
+    ids = {h.ws.worker_id for h in found if not h.ws.report.draining}
+    ids.update(ahead)
+    return ids
+
+
 def kvmesh(
     view: FleetView, req: ChatRequest, now_ms: int, live: list[str], params: ScoringParams
 ) -> list[CandidateScore]:
     """Least estimated time to first token, counting queue, promotion, peer fetch and recompute."""
     found = holders(view, req, now_ms, as_source=True)
     ahead = ahead_of(view, req, now_ms)
-    ids = {h.ws.worker_id for h in found if not h.ws.report.draining}
-    ids.update(ahead)
+    ids = prefix_workers(found, ahead)
     ids.update(least_loaded_workers(view, live, params.least_loaded_k, now_ms))
     out = score_set(view, req, now_ms, sorted(ids), found, params, allow_fetch=True, ahead=ahead)
     workers = view.workers

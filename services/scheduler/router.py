@@ -15,7 +15,6 @@ Deterministic: ``now_ms`` comes from the input event, ties break by worker id, n
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh_core.load_reports import LOAD_INTERVAL_MS
@@ -24,11 +23,11 @@ from services.scheduler.errors import UnknownPolicy
 from services.scheduler.fairness import deadline_rejection, rejection
 from services.scheduler.policies import (
     CandidateScore,
-    Holder,
     ScoringParams,
     ahead_of,
     holders,
     is_live,
+    prefix_workers,
     score_set,
 )
 from services.scheduler.registry import HOLDING_POLICIES, POLICIES, POLICY_FUNCS, Policy, prepare_view
@@ -116,30 +115,27 @@ class Router:
 
     def price(self, req: ChatRequest, now_ms: int, worker_id: str) -> CandidateScore:
         """The estimate for ``req`` on one worker, fetch from the best holder included."""
-        return self._price_on(req, now_ms, lambda found, ahead: [worker_id])[0]
+        return self._scored(req, now_ms, worker_id, beside_holders=False)[0]
 
-    def price_at_holders(self, req: ChatRequest, now_ms: int, but: str) -> list[CandidateScore]:
-        """The estimates for ``req`` on every live worker other than ``but`` that stores a leading
-        run of its prompt or is computing one for a request assigned before it: the workers where
-        it costs less work than on a worker holding none of it."""
+    def price_beside_holders(
+        self, req: ChatRequest, now_ms: int, worker_id: str
+    ) -> tuple[CandidateScore, list[CandidateScore]]:
+        """The estimate for ``req`` on ``worker_id``, and on every other live worker that stores a
+        leading run of its prompt or is computing one for a request assigned before it (by id): the
+        workers where it costs less work than on one holding none of it. One prefix lookup for all."""
+        there, *others = self._scored(req, now_ms, worker_id, beside_holders=True)
+        return there, others
 
-        def ids(found: list[Holder], ahead: dict[str, int]) -> list[str]:
-            out = {h.ws.worker_id for h in found if not h.ws.report.draining}
-            out.update(ahead)
-            out.discard(but)
-            return sorted(out)
-
-        return self._price_on(req, now_ms, ids)
-
-    def _price_on(
-        self, req: ChatRequest, now_ms: int, pick: Callable[[list[Holder], dict[str, int]], list[str]]
+    def _scored(
+        self, req: ChatRequest, now_ms: int, worker_id: str, beside_holders: bool
     ) -> list[CandidateScore]:
         view = self.view
         found = holders(view, req, now_ms, as_source=True)
         ahead = ahead_of(view, req, now_ms)
-        return score_set(
-            view, req, now_ms, pick(found, ahead), found, self._params, allow_fetch=True, ahead=ahead
-        )
+        ids = [worker_id]
+        if beside_holders:
+            ids += sorted(prefix_workers(found, ahead) - {worker_id})
+        return score_set(view, req, now_ms, ids, found, self._params, allow_fetch=True, ahead=ahead)
 
     def decide(self, req: ChatRequest, now_ms: int, pull_to: str | None = None) -> Decision:
         """Decide ``req`` at ``now_ms``. With ``pull_to``, a live worker with room that pulls a held

@@ -424,10 +424,10 @@ def test_the_steps_the_queued_prefills_carry_are_not_counted_twice() -> None:
     assert view.kv_wait_ms(w0, 16 * 2, 1000) == 7 * step  # even 2 blocks: the queue itself waits
 
 
-def test_price_at_holders_scores_the_workers_storing_or_computing_the_prefix() -> None:
+def test_price_beside_holders_scores_the_workers_storing_or_computing_the_prefix() -> None:
     """A parked request's alternatives (FairDispatcher._pull_target): w-1 stores part of the prompt,
     w-2 is computing all of it for a request assigned before, w-0 (draining) stores it but takes no
-    work, w-3 holds none of it, and ``but`` leaves w-1 out when asked."""
+    work, and w-3 holds none of it. The worker priced first is not among the others."""
     view = fleet(4, w_0={"draining": True}, w_1=BUSY, w_3=BUSY)
     req = request("r1", prompt(100))  # 6 full blocks
     view.apply_kv_event(stored("w-0", req.block_hashes))
@@ -435,8 +435,11 @@ def test_price_at_holders_scores_the_workers_storing_or_computing_the_prefix() -
     first = router.decide(request("r0", [*req.token_ids, 7, 8]), 1000).assignment
     assert first is not None and first.worker_id == "w-2"  # the idle one: it is computing the prefix now
     view.apply_kv_event(stored("w-1", req.block_hashes[:2]))
-    scored = {c.worker_id: c for c in router.price_at_holders(req, 1001, but="none")}
+    there, others = router.price_beside_holders(req, 1001, "w-3")
+    assert there.worker_id == "w-3" and there.cached_blocks == 0
+    scored = {c.worker_id: c for c in others}
     assert sorted(scored) == ["w-1", "w-2"]
     assert scored["w-2"].cached_blocks == 6 and scored["w-1"].cached_blocks == 2
-    assert scored["w-2"].work_ms < scored["w-1"].work_ms
-    assert [c.worker_id for c in router.price_at_holders(req, 1001, but="w-1")] == ["w-2"]
+    assert scored["w-2"].work_ms < scored["w-1"].work_ms < there.work_ms
+    there, others = router.price_beside_holders(req, 1001, "w-1")
+    assert there.worker_id == "w-1" and [c.worker_id for c in others] == ["w-2"]

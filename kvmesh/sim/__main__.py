@@ -36,7 +36,7 @@ from kvmesh.sim.peer_goal import MAX_RATIO, MAX_RATIO_TRUTH_DRIFT, add_excess, p
 from kvmesh.sim.recorder import SimRecorder
 from kvmesh.sim.seeds import goal_tally, median_figures, median_policies, seed_digest, seeded_truths
 from kvmesh.sim.truth import TruthScale
-from kvmesh.sim.worker import ADMISSIONS
+from kvmesh.sim.worker import ADMISSIONS, LOADS
 from kvmesh.workloads import (
     MultiTurnSpec,
     SharedPrefixSpec,
@@ -117,6 +117,14 @@ def _parser() -> argparse.ArgumentParser:
         help="how a worker admits assignments while a pull is on its link: overlap (as the live worker: "
         "the pulling request is queued at once and skipped until its blocks land), serial (the live "
         "worker's setting admission=serial: after it lands), pass (what-if: later ones go ahead of it)",
+    )
+    p.add_argument(
+        "--load",
+        choices=LOADS,
+        default="sync",
+        help="how a prefill's DRAM/disk prefix reaches the GPU: sync (in the prefill iteration, the "
+        "live worker's default) or async (copied off the iteration while the batch runs, as the "
+        "worker's vllm_async_load on a GPU host)",
     )
     p.add_argument(
         "--lru-eviction",
@@ -270,6 +278,7 @@ def _run_policies(
             admission=args.admission,
             fleet_aware_eviction=not args.lru_eviction,
             kv_capacity=not args.no_kv_capacity,
+            load=args.load,
             router=router,
             truth=args.truth_scale,
             held_ahead=args.held_ahead,
@@ -348,6 +357,7 @@ def _run_settings(args: argparse.Namespace, block_size: int) -> dict[str, Any]:
         "held_ahead": args.held_ahead,
         "fleet_aware_eviction": not args.lru_eviction,
         "kv_capacity": not args.no_kv_capacity,
+        "load": args.load,
         "truth_scale": args.truth_scale.describe(),
     }
 

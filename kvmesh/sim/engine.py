@@ -37,7 +37,7 @@ from kvmesh.sim.events import EventQueue
 from kvmesh.sim.metrics import RequestRecord, summarize
 from kvmesh.sim.oracle import ORACLE, oracle_policy
 from kvmesh.sim.truth import TruthScale
-from kvmesh.sim.worker import Admission, Job, SimWorker
+from kvmesh.sim.worker import Admission, Job, Load, SimWorker
 from kvmesh_core.costmodel import PerfProfile
 from kvmesh_core.load_reports import LOAD_INTERVAL_MS
 from schemas.messages import ChatRequest, Completion, KvEvent, LoadReport, WorkerLost
@@ -91,6 +91,10 @@ class SimConfig:
     # As the live engine admits: a prefill starts only when its blocks fit in the GPU tier beside the
     # running requests' (kvmesh.sim.worker, "KV capacity"). False: the batch grows without bound.
     kv_capacity: bool = True
+    # How a prefill's lower-tier prefix reaches the GPU tier (kvmesh.sim.worker, "Loads"): "sync" in
+    # the prefill iteration, as the live worker's default; "async" copied off it, as with
+    # WorkerSettings.vllm_async_load on a GPU host.
+    load: Load = "sync"
     router: dict[str, Any] = field(default_factory=dict)
     view: ViewSettings = field(default_factory=ViewSettings)
     truth: TruthScale = field(default_factory=TruthScale)  # the engine's real speed vs the published
@@ -153,6 +157,7 @@ class Simulation:
                 fleet,
                 config.truth,
                 config.kv_capacity,
+                config.load,
             )
             for i in range(config.workers)
         ]
@@ -228,7 +233,10 @@ class Simulation:
             elif kind == _WORKER:
                 worker, gen, job = payload
                 if job is not None:
-                    worker.on_fetch_done(job, now)
+                    if job.loading:
+                        worker.on_load_done(job, now)
+                    else:
+                        worker.on_fetch_done(job, now)
                 elif gen == worker.gen:
                     worker.on_iteration_end(now)
             elif kind == _ARRIVE:

@@ -31,6 +31,16 @@ How an assignment meets a pull in flight is ``admission``:
   arrive meanwhile go ahead of it. After a prefill every full prompt block is
 written to the GPU tier; cache changes go out as KvEvents, and a LoadReport after every iteration.
 
+Loads (``load``): how a prefill's prefix held in DRAM or on disk here reaches the GPU tier.
+
+- ``sync`` (the default, the live worker's ``vllm_async_load=False``): the
+  prefill iteration promotes it, then recomputes the rest; the running batch's decode step waits for
+  both.
+- ``async`` (``vllm_async_load=True``, for GPU hosts where the copy is a DMA; vLLM's
+  WAITING_FOR_REMOTE_KVS): when the request is next in line and its blocks fit, they are taken and
+  its prefix is copied to the GPU tier, one copy at a time per worker, while the engine goes on with
+  the requests behind it; once copied it is first in line again and its iteration only recomputes.
+
 KV capacity (``kv_capacity``, the default), as the live engine admits (``Engine._admit``; vLLM's
 scheduler the same): a running request holds its prompt's blocks in the GPU tier (blocks shared with
 another running request count once) and one more per block of tokens it generates. The next prefill
@@ -91,6 +101,9 @@ Schedule = Callable[[float, "SimWorker", "Job | None"], None]
 # how an assignment meets a pull in flight (module docstring)
 Admission = Literal["serial", "pass", "overlap"]
 ADMISSIONS: tuple[str, ...] = get_args(Admission)
+# how a prefill's lower-tier prefix reaches the GPU tier (module docstring, "Loads")
+Load = Literal["sync", "async"]
+LOADS: tuple[str, ...] = get_args(Load)
 
 
 #: A LoadReport's defaults for what a simulated worker has no facts of (model, engine, context).
@@ -130,6 +143,10 @@ class Job:
     fetched_blocks: int = 0
     held: list[int] = field(default_factory=list)  # its prefix, pinned in the cache until its prefill
     ready: bool = True  # False while its pull is in flight (overlap admission only)
+    # async loads: its lower-tier prefix is being copied to the GPU tier (its GPU blocks taken), and
+    # whether that copy ended (it is queued again, first in line, with its blocks still taken)
+    loading: bool = False
+    loaded: bool = False
     # KV capacity: the prompt's tokens, blocks and full blocks (set when queued), and of its full
     # blocks how many no other running request holds
     kv_tokens: int = 0
@@ -159,6 +176,7 @@ class SimWorker:
         fleet: FleetHolders | None = None,
         truth: TruthScale | None = None,
         kv_capacity: bool = True,
+        load: Load = "sync",
     ) -> None:
         self.index = index
         self.worker_id = worker_id
@@ -194,6 +212,11 @@ class SimWorker:
         if admission not in ADMISSIONS:
             raise ValueError(f"admission {admission!r}: one of {', '.join(ADMISSIONS)}")
         self._admission = admission  # see the module docstring
+        if load not in LOADS:
+            raise ValueError(f"load {load!r}: one of {', '.join(LOADS)}")
+        self._load = load  # see "Loads" in the module docstring
+        self._copy_free = 0.0  # async loads: when the copy in flight ends (one at a time)
+        self._loading: list[Job] = []  # async loads: the jobs whose copy is queued or in flight
         # serial: assignments that came while a pull was on the link (pulls never overlap there, so
         # ``_link_free`` is when the one in flight lands)
         self._held: deque[Job] = deque()
@@ -229,7 +252,7 @@ class SimWorker:
         ]
         queued = self._queued_tokens
         queued_ctx = self._queued_ctx
-        depth = len(self._queue)
+        depth = len(self._queue) + len(self._loading)
         job = self._prefilling
         if job is not None and self.busy_until > now_ms:
             # The prefill in flight still owes its remaining share of the iteration.
@@ -400,13 +423,17 @@ class SimWorker:
 
     def _start(self, now_ms: float) -> None:
         job = None
-        head = self._head()
         # a head that does not fit waits for running requests to free blocks, and those behind it too
-        if head is not None and self._fits(self._queue[head]):
+        while (head := self._head()) is not None and self._fits(self._queue[head]):
             job = self._queue[head]
             del self._queue[head]
-            self._queued_blocks -= job.kv_blocks
-            self._kv_take(job)
+            if not job.loaded:  # a loaded job took its blocks when its copy began
+                self._queued_blocks -= job.kv_blocks
+                self._kv_take(job)
+            if self._load == "async" and not job.loaded and self._begin_load(job, now_ms):
+                job = None  # copying off the iteration; the next in line may start now
+                continue
+            break
         if job is not None:
             self._queued_tokens -= job.queued_tokens
             self._queued_ctx = max(self._queued_ctx - job.queued_ctx, 0.0)
@@ -425,6 +452,39 @@ class SimWorker:
         self.busy_until = now_ms + duration
         self.gen += 1
         self._schedule(self.busy_until, self, None)
+
+    def _begin_load(self, job: Job, now_ms: float) -> bool:
+        """Async loads: start copying ``job``'s lower-tier prefix to the GPU tier, after the copy in
+        flight (one at a time, as one copy stream); False when all of it is in the GPU tier already."""
+        promote, _ = self._prefill_plan(job.request)
+        if promote <= 0.0:
+            return False
+        self._copy_free = max(now_ms, self._copy_free) + promote
+        job.loading = True
+        self._loading.append(job)
+        self._schedule(self._copy_free, self, job)
+        return True
+
+    def on_load_done(self, job: Job, now_ms: float) -> None:
+        """Async loads: ``job``'s prefix is in the GPU tier now (KvEvents say so); it is queued again
+        after the loaded jobs before it and ahead of the rest, as vLLM keeps a request that waited for
+        its KV at the front of its waiting queue, and its prefill recomputes only what is missing."""
+        job.loading = False
+        job.loaded = True
+        self._loading.remove(job)
+        hashes = int_list(job.request.block_hashes)
+        k = min(
+            len(self.cache.prefix_tiers(hashes)),
+            reusable_blocks(len(job.request.token_ids), self.real.block_size),
+        )
+        if k:
+            # every block of the run is held, so access only promotes (it stores nothing)
+            self._publish(self.cache.access(hashes[:k], [0, *hashes[: k - 1]]), job, now_ms)
+        i = 0
+        while i < len(self._queue) and self._queue[i].loaded:
+            i += 1
+        self._queue.insert(i, job)
+        self._wake(now_ms)
 
     def _serve(self, job: Job) -> float:
         """Plan ``job``'s prompt against the real caches; return the prefill iteration's length."""
@@ -521,7 +581,9 @@ class SimWorker:
         in flight, and every queued prefill, each carrying a step of the running batch), and whether a
         batch decodes by then. With KV capacity, a prefill whose blocks (``need`` for the one assigned
         now) do not fit waits for decode steps until enough running requests end; the blocks a running
-        request frees are those it holds alone now, so shared prompt blocks make this an upper bound."""
+        request frees are those it holds alone now, so shared prompt blocks make this an upper bound. With
+        async loads a job still copying its prefix is counted first in line, as it is once its copy
+        ends; a prefill that would run during the copy is estimated behind it (also an upper bound)."""
         step = self.real.decode_ms_per_step
         t = now_ms
         if now_ms < self.busy_until:
@@ -531,8 +593,8 @@ class SimWorker:
                 t = self.busy_until
         batch = bool(self._decoding) or (self._prefilling is not None and now_ms < self.busy_until)
         if not self._kv_capacity:
-            for job in self._queue:
-                t += self._prefill_cost(job.request, self._prefill_plan(job.request))[0]
+            for job in (*self._loading, *self._queue):
+                t += self._queued_iteration_ms(job)
                 t += step if batch else 0.0
                 batch = True  # once a prompt is prefilled it decodes beside every later prefill
             return t, batch
@@ -549,23 +611,31 @@ class SimWorker:
             running = [[r[0] - k, r[1]] for r in running if r[0] > k]
             return freed
 
-        queued: list[Job | None] = [*self._queue, None]  # None: the prefill assigned now
+        # None: the prefill assigned now; a loading job (copying, its blocks taken) comes back first
+        queued: list[Job | None] = [*self._loading, *self._queue, None]
         for q in queued:
-            n = need if q is None else self._kv_need(q.request)
+            taken = q is not None and (q.loading or q.loaded)  # its blocks are counted in used
+            n = need if q is None else 0 if taken else self._kv_need(q.request)
             while running and used + n > cap:  # a decode-only run until the next request ends
                 k = min(r[0] for r in running)
                 t += k * step
                 used -= steps(k)
             if q is None:
                 break
-            t += self._prefill_cost(q.request, self._prefill_plan(q.request))[0]
+            t += self._queued_iteration_ms(q)
             if running:
                 t += step
                 used -= steps(1)
             used += n
             if q.request.max_tokens > 1:
-                running.append([q.request.max_tokens - 1, n])
+                running.append([q.request.max_tokens - 1, self._kv_frees(q) if taken else n])
         return t, bool(running)
+
+    def _queued_iteration_ms(self, job: Job) -> float:
+        """The prefill iteration a queued ``job`` will take here: with async loads its prefix is
+        copied to the GPU tier off the iteration, so only the recompute is in it."""
+        total, rec = self._prefill_cost(job.request, self._prefill_plan(job.request))
+        return rec if self._load == "async" else total
 
     def _kv_frees(self, job: Job) -> int:
         """The GPU blocks ``job``'s end would free now: its own and the prompt blocks no other running
@@ -611,6 +681,7 @@ class SimWorker:
     def kv_used(self) -> int:
         """GPU blocks the running requests hold now (the prefill in flight included)."""
         used = len(self._kv_holders) + sum(self._kv_private(j) for j in self._decoding)
+        used += sum(self._kv_private(j) for j in self._loading)
         if self._prefilling is not None:
             used += self._kv_private(self._prefilling)
         return used
@@ -625,7 +696,7 @@ class SimWorker:
         """Whether ``job``'s prefill can start: its blocks fit beside the running requests', or
         nothing runs (the live engine then fails a prompt larger than the tier; no trace has one, and
         running it keeps a what-if profile with a small GPU tier from stalling)."""
-        if not self._kv_capacity or (not self._decoding and self._prefilling is None):
+        if job.loaded or not self._kv_capacity or (not self._decoding and self._prefilling is None):
             return True
         return self.kv_used() + self._kv_need(job.request) <= self.real.gpu_blocks
 

@@ -7,7 +7,7 @@ import dataclasses
 import msgspec
 import pytest
 
-from kvmesh.sim.worker import ADMISSIONS, Admission, SimWorker
+from kvmesh.sim.worker import ADMISSIONS, LOADS, Admission, Job, Load, SimWorker
 from kvmesh_core.costmodel import PROFILES, recompute_ms
 from schemas.messages import Assignment, ChatRequest, Completion, Estimate, FetchPlan, KvEvent, LoadReport
 
@@ -196,3 +196,61 @@ def test_a_prefill_waits_for_room_in_the_gpu_tier_as_the_live_engine_admits(kv_c
         assert first_b < end_a
         assert cb.ttft_ms == pytest.approx(ca.ttft_ms - 0.5 + cb.prefill_ms + step)
         assert report.kv_free_blocks is None and report.kv_release == []
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_an_async_load_copies_a_dram_prefix_off_the_prefill_iteration(load: Load) -> None:
+    """A's 30-block prefix is in DRAM; B, assigned just after, has nothing cached. "sync" (the live
+    worker's default) promotes A's prefix inside A's prefill iteration and B waits behind it. "async"
+    (vllm_async_load) copies it while B's prefill runs; A is prefilled next, without the copy in its
+    iteration, once its blocks are in the GPU tier (a KvEvent says so when the copy ends)."""
+    from kvmesh_core.costmodel import promote_ms
+
+    tiered = dataclasses.replace(PROFILE, gpu_blocks=128, dram_blocks=64)
+    sent: list[tuple[object, float]] = []
+    calls: list[tuple[float, SimWorker, object]] = []
+    w = SimWorker(
+        0,
+        "w0",
+        tiered,
+        lambda m, t: sent.append((m, t)),
+        lambda t, s, j: calls.append((t, s, j)),
+        {},
+        load=load,
+    )
+    a, b = _long_request(30, "a", max_tokens=2), _long_request(40, "b", max_tokens=2)
+    w.cache.insert(a.block_hashes, [0, *a.block_hashes[:-1]], 1)
+    w.assign(_assign(a, "w0", []), 0.0, 0.0)
+    w.assign(_assign(b, "w0", []), 0.01, 0.01)
+    w.report(0.01)
+    report = [m for m, _ in sent if isinstance(m, LoadReport)][-1]
+    assert report.queue_depth == 2  # a copying request is still waiting, as vLLM counts it
+    while calls:
+        calls.sort(key=lambda c: c[0])
+        t, s, j = calls.pop(0)
+        if isinstance(j, Job):
+            (s.on_load_done if j.loading else s.on_fetch_done)(j, t)
+        elif s.busy_until == t:
+            s.on_iteration_end(t)
+    done = {m.request_id: m for m, _ in sent if isinstance(m, Completion)}
+    ca, cb = done["a"], done["b"]
+    first_a, first_b = ca.ttft_ms, 0.01 + cb.ttft_ms
+    copy = promote_ms(tiered, "dram", 30)
+    step = tiered.decode_ms_per_step
+    for c, reused in ((ca, 30 * BS), (cb, 0)):
+        assert (c.reused_tokens, c.fetched_tokens, c.recomputed_tokens) == (
+            reused,
+            0,
+            c.prompt_tokens - reused,
+        )
+        assert c.prefill_ms == pytest.approx(recompute_ms(tiered, c.recomputed_tokens, reused))
+    moved = [(m, t) for m, t in sent if isinstance(m, KvEvent) and m.kind == "moved"]
+    assert [(m.from_tier, m.tier, m.block_hashes) for m, _ in moved] == [("dram", "gpu", a.block_hashes)]
+    if load == "sync":
+        assert first_a == pytest.approx(copy + ca.prefill_ms)
+        assert first_b == pytest.approx(first_a + cb.prefill_ms + step)  # behind A's copy and prefill
+        assert moved[0][1] == pytest.approx(first_a)
+    else:
+        assert first_b == pytest.approx(0.01 + cb.prefill_ms)  # ran while A's prefix was copied
+        assert moved[0][1] == pytest.approx(copy) and copy < first_b
+        assert first_a == pytest.approx(first_b + ca.prefill_ms + step)  # no copy in its iteration

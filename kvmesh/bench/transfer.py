@@ -285,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=3, help="with --engine vllm: fresh prompts; fastest counts"
     )
+    ap.add_argument(
+        "--async-load",
+        action="store_true",
+        help="with --engine vllm: the connector copies in a background thread (vllm_async_load)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.engine == "vllm":

@@ -125,6 +125,7 @@ def main_vllm(args: Any) -> int:
             max_context=args.tokens + 64,
             calibrate=False,
             insecure_dev_transfer=True,
+            vllm_async_load=args.async_load,
         )
     )
     assert isinstance(eng, VllmEngine) and eng.store is not None
@@ -157,6 +158,7 @@ def main_vllm(args: Any) -> int:
         "ttft_fetch_ms": round(m["fetch"], 3),
         "fetch_network_ms": round(m["net"], 3),
         "fetch_vs_recompute_speedup_4k": round(speedup, 3),
+        "async_load": args.async_load,
         "connector_load_us_per_block": round(st.load_s / max(st.loaded_blocks, 1) * 1e6, 2),
         "connector_save_us_per_block": round(st.save_s / max(st.saved_blocks, 1) * 1e6, 2),
         "connector_loaded_blocks": st.loaded_blocks,

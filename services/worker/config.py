@@ -102,7 +102,7 @@ class WorkerSettings(ShellSettings):
     # peer fetch and serving through the data plane. Off: vLLM keeps only its own pool.
     vllm_connector: bool = True
     # Connector loads in a background thread (vLLM's WAITING_FOR_REMOTE_KVS path) rather than in the
-    # forward: for hosts where the copy is a DMA; on the CPU build the GIL makes it slower (see README).
+    # forward: for hosts where the copy is a DMA; on the CPU build the copy is ~1 ms a 4k prefix either way.
     vllm_async_load: bool = False
     # Reporting
     load_interval_ms: int = LOAD_INTERVAL_MS  # the simulator reports at the same cadence

@@ -51,6 +51,7 @@ from kvmesh_core.reuse import reusable_blocks
 from schemas.blocks import PUBLIC_NAMESPACE, ROOT_HASH, hash_block
 from services.worker.kv_cache_manager import KvCacheManager
 from services.worker.kv_layout import BlockLayout
+from services.worker.vllm_engine.block_copy import BlockCopier
 from services.worker.vllm_engine.hash_bridge import external_id, parse_salt
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self.hub = hub
         self.bs = vllm_config.cache_config.block_size
         self._reqs: dict[str, _ReqState] = {}
-        self._layers: list[torch.Tensor] = []
+        self._copier: BlockCopier | None = None  # the worker role's, once vLLM registers its KV tensors
         self._load_errors: set[int] = set()
         self._pool: Any = None  # the worker role's copy thread (async loads)
 
@@ -307,7 +308,12 @@ class KvmeshConnector(KVConnectorBase_V1):
     # ---- worker role -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # One tensor per attention layer, [num_blocks, ...]: a block is each layer's [block_id] slab.
-        self._layers = list(kv_caches.values())
+        self._copier = BlockCopier(list(kv_caches.values()))
+
+    @property
+    def block_bytes(self) -> int:
+        """One kvmesh block over vLLM's registered KV tensors, in bytes (0 before they are registered)."""
+        return 0 if self._copier is None else self._copier.block_bytes
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -352,37 +358,43 @@ class KvmeshConnector(KVConnectorBase_V1):
             self._pool = None
 
     def _copy_in(self, all_loads: dict[str, list[_Load]]) -> None:
-        """Store bytes → vLLM blocks; a block that cannot be copied is a load error (vLLM recomputes it)."""
+        """Store bytes → vLLM blocks, the whole step's loads in one batch (``block_copy``); a block that
+        cannot be copied is a load error (vLLM recomputes it)."""
         t0 = time.perf_counter()
         store = self.hub.store
-        n_layers = len(self._layers)
-        loaded = 0
         errors = 0
-        per_request: dict[str, int] = {}
+        batch: list[tuple[str, _Load]] = []
+        items: list[tuple[int, memoryview]] = []
         for rid, loads in all_loads.items():
             for ld in loads:
                 if ld.view is None:
                     self._add_error(ld.block_id)
                     errors += 1
-                    continue
-                try:
-                    first = self._layers[0]
-                    src = torch.frombuffer(ld.view, dtype=torch.uint8).view(first.dtype)
-                    src = src.view(n_layers, *first.shape[1:])
-                    for layer, part in zip(self._layers, src, strict=True):
-                        layer[ld.block_id].copy_(part)
-                    loaded += 1
-                    per_request[external_id(rid)] = per_request.get(external_id(rid), 0) + 1
-                except (RuntimeError, ValueError):
-                    log.exception("loading block %#x failed; vLLM recomputes it", ld.block_hash)
-                    self._add_error(ld.block_id)
-                    errors += 1
-                finally:
-                    store.release_read(ld.block_hash)
+                else:
+                    batch.append((rid, ld))
+                    items.append((ld.block_id, ld.view))
+        bad: set[int] = set()
+        try:
+            if self._copier is None:
+                raise RuntimeError("no KV tensors registered")
+            bad = set(self._copier.copy_in(items))
+        except Exception:  # a load that fails is recomputed by vLLM, never a crash of its forward
+            log.exception("loading %d blocks failed; vLLM recomputes them", len(batch))
+            bad = set(range(len(batch)))
+        finally:
+            for _, ld in batch:
+                store.release_read(ld.block_hash)
+        per_request: dict[str, int] = {}
+        for i, (rid, ld) in enumerate(batch):
+            if i in bad:
+                self._add_error(ld.block_id)
+                errors += 1
+            else:
+                per_request[external_id(rid)] = per_request.get(external_id(rid), 0) + 1
         dt = time.perf_counter() - t0
         with self.hub.lock:
             s = self.hub.stats
-            s.loaded_blocks += loaded
+            s.loaded_blocks += len(batch) - len(bad)
             s.load_errors += errors
             s.load_s += dt
             for rid, n in per_request.items():
@@ -398,13 +410,13 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvmeshConnectorMeta) or not meta.saves or not self._layers:
+        if not isinstance(meta, KvmeshConnectorMeta) or not meta.saves or self._copier is None:
             return
         t0 = time.perf_counter()
         saved = 0
-        for sv in meta.saves:
-            data = torch.stack([layer[sv.block_id] for layer in self._layers]).contiguous()
-            raw = data.view(-1).view(torch.uint8).numpy().data
+        data = self._copier.copy_out([sv.block_id for sv in meta.saves])
+        for sv, row in zip(meta.saves, data, strict=True):
+            raw = row.data
             saved += self.hub.store.commit_blocks(
                 [(sv.block_hash, sv.parent, raw)], sv.namespace, tier="dram"
             )

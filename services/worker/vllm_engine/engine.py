@@ -239,8 +239,7 @@ class VllmEngine:
 
         if not has_kv_transfer_group():
             raise ModelConfigError("vLLM did not start the kvmesh KV connector")
-        layers = getattr(get_kv_transfer_group(), "_layers", [])
-        got = sum(t[0].numel() * t.element_size() for t in layers)
+        got = getattr(get_kv_transfer_group(), "block_bytes", 0)
         if got != nbytes:
             raise ModelConfigError(f"vLLM KV blocks are {got} bytes, the connector's layout {nbytes}")
 

@@ -303,6 +303,40 @@ def test_the_asynchronous_load_path_gives_the_same_answer(engine: VllmEngine) ->
     assert not engine._hub.loading and not engine._hub.delay_free
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_a_load_whose_copy_fails_is_recomputed_and_gives_the_same_answer(
+    engine: VllmEngine, monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    """The store holds turn 1's blocks, but copying them into vLLM's blocks raises: the connector
+    reports them as load errors, vLLM recomputes them, and the answer is the reference's."""
+    from services.worker.vllm_engine.block_copy import BlockCopier
+
+    topic = f"broken-{int(background)}"
+    p1, p2 = _turns(engine, topic)
+    want = _reference(engine, f"{topic}-ref", p2)
+    p1, p2 = _turns(engine, topic)
+    for i in range(4):
+        fill = render_chat(engine.tokenizer, [ChatMessage("user", f"filler {i}{int(background)} " * 120)])
+        _run(engine, f"{topic}-fill-{i}", fill, n=1)
+    _settle(engine)
+
+    def fail(self: BlockCopier, items: object) -> list[int]:
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(BlockCopier, "copy_in", fail)
+    assert engine._hub is not None
+    errors = engine.connector_stats.load_errors
+    engine._hub.async_load = background
+    try:
+        out, _ = _run(engine, f"{topic}-t2", p2)
+    finally:
+        engine._hub.async_load = False
+    # every block offered failed once and was recomputed: none is offered again (no retry loop)
+    assert engine.connector_stats.load_errors - errors == len(p1) // BS
+    assert out == want
+    assert not engine._hub.loading and not engine._hub.delay_free and not engine._hub.load_failed
+
+
 _DYING_PEER = """
 import asyncio, os, pickle, sys
 from services.worker.transfer.frames import REQUEST_PREFIX, BlockRequest, Status, checksum, pack_header

@@ -104,6 +104,10 @@ class ConnectorHub:
         #: External ids of requests whose peer blocks the worker is still pulling into the store: the
         #: scheduler role answers "not known yet", so vLLM keeps each in its place and steps the rest.
         self.awaiting_pull: set[str] = set()
+        #: vLLM request ids with a block that failed to load: vLLM recomputes from it
+        #: (``kv_load_failure_policy="recompute"``), and the connector offers them nothing more, or an
+        #: asynchronous load that keeps failing would be offered and retried forever.
+        self.load_failed: set[str] = set()
 
     def take_loaded(self, request_id: str) -> int:
         with self.lock:
@@ -216,6 +220,8 @@ class KvmeshConnector(KVConnectorBase_V1):
             if external_id(request.request_id) in self.hub.awaiting_pull:
                 # vLLM passes it over this step and keeps its place in the queue (None: not known yet)
                 return None, False
+            if request.request_id in self.hub.load_failed:
+                return 0, False
         bs = self.bs
         # The last prompt token is always computed: its logits give the first output token.
         usable = reusable_blocks(request.num_prompt_tokens, bs)
@@ -299,6 +305,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 if ld.view is not None:
                     self.hub.store.release_read(ld.block_hash)
         with self.hub.lock:
+            self.hub.load_failed.discard(rid)
             if rid in self.hub.loading:
                 # A copy still writes into this request's blocks: vLLM frees them when it reports done.
                 self.hub.delay_free.add(rid)
@@ -341,6 +348,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                     hub.loading.discard(rid)
                     if rid in hub.delay_free:
                         hub.delay_free.discard(rid)
+                        hub.load_failed.discard(rid)  # it ended: nothing will ask for it again
                         hub.done_sending.add(rid)  # it ended meanwhile: its blocks may be freed now
                     else:
                         hub.done_recving.add(rid)
@@ -365,11 +373,13 @@ class KvmeshConnector(KVConnectorBase_V1):
         errors = 0
         batch: list[tuple[str, _Load]] = []
         items: list[tuple[int, memoryview]] = []
+        failed: set[str] = set()
         for rid, loads in all_loads.items():
             for ld in loads:
                 if ld.view is None:
                     self._add_error(ld.block_id)
                     errors += 1
+                    failed.add(rid)
                 else:
                     batch.append((rid, ld))
                     items.append((ld.block_id, ld.view))
@@ -389,6 +399,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             if i in bad:
                 self._add_error(ld.block_id)
                 errors += 1
+                failed.add(rid)
             else:
                 per_request[external_id(rid)] = per_request.get(external_id(rid), 0) + 1
         dt = time.perf_counter() - t0
@@ -397,6 +408,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             s.loaded_blocks += len(batch) - len(bad)
             s.load_errors += errors
             s.load_s += dt
+            self.hub.load_failed |= failed
             for rid, n in per_request.items():
                 s.loaded_by_request[rid] = s.loaded_by_request.get(rid, 0) + n
 

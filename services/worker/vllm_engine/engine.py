@@ -256,6 +256,9 @@ class VllmEngine:
                 kv_connector_module_path="services.worker.vllm_engine.connector",
                 kv_role="kv_both",
                 kv_connector_extra_config={"kvmesh_hub": self._hub_id},
+                # A block the connector could not load is recomputed. vLLM's default ("fail") ends the
+                # request with an error instead, so a store block gone or a copy that raised lost it.
+                kv_load_failure_policy="recompute",
             )
         args = EngineArgs(
             model=str(root),

@@ -473,10 +473,7 @@ class SimWorker:
         job.loaded = True
         self._loading.remove(job)
         hashes = int_list(job.request.block_hashes)
-        k = min(
-            len(self.cache.prefix_tiers(hashes)),
-            reusable_blocks(len(job.request.token_ids), self.real.block_size),
-        )
+        k = self._prefill_plan(job.request)[1]  # the run its prefill reuses, all of it held here
         if k:
             # every block of the run is held, so access only promotes (it stores nothing)
             self._publish(self.cache.access(hashes[:k], [0, *hashes[: k - 1]]), job, now_ms)

@@ -7,11 +7,12 @@ In the background thread of an asynchronous load it is far worse: each torch cal
 and the thread then waits for vLLM's stepping thread to hand it back (13.7 ms a block, measured with
 ``kvmesh bench transfer --engine vllm --async-load``).
 
-So a batch moves in a few calls per layer, whatever its size. numpy gathers the store's bytes into
-one ``[blocks, layers, bytes]`` array, keeping the GIL while it walks the blocks. Each layer then
-takes its slice in one call. On the CPU build that call is a numpy row assignment into a view of the
-layer made once, at registration, when the GIL is not contended. Elsewhere it is one ``index_copy_``
-per layer. Saves run the same way in reverse.
+So no torch call is made per block. On the CPU build a load is a memoryview slice assignment per
+block and layer, a memcpy that keeps the GIL, into flat views of the layers made once at
+registration (a numpy gather was not enough: ``np.concatenate`` gives the GIL up once per array it
+copies). Elsewhere the blocks are gathered into one buffer and each layer takes its slice with one
+``index_copy_``. A save is a numpy row gather per layer on the CPU build, one ``index_select`` per
+layer elsewhere.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ class BlockCopier:
                     f"{first.dtype} and {tuple(layer.shape)} {layer.dtype}"
                 )
         self._slab = tuple(first.shape[1:])
-        self.block_bytes = len(self.layers) * first[0].numel() * first.element_size()
+        self._slab_bytes = first[0].numel() * first.element_size()  # one layer's part of a block
+        self.block_bytes = len(self.layers) * self._slab_bytes
         self.num_blocks = first.shape[0]
-        self._slab_bytes = first[0].numel() * first.element_size()
         # Each layer's memory as flat bytes when all are contiguous host tensors (the CPU build), else
         # None (the torch path). Made here, once, since each torch call would give up the GIL.
         self._hosts: list[np.ndarray] | None = []

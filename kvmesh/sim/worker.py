@@ -142,7 +142,9 @@ class Job:
     fetch_range: tuple[int, int] = (0, 0)  # blocks [lo, hi) pulled from peers before queueing
     fetched_blocks: int = 0
     held: list[int] = field(default_factory=list)  # its prefix, pinned in the cache until its prefill
-    ready: bool = True  # False while its pull is in flight (overlap admission only)
+    ready: bool = True  # False while its pull, or the one it waits for, is in flight (overlap only)
+    # requests queued here that wait for this one's pull: it carries the next blocks of their prompts
+    waiters: list[Job] = field(default_factory=list)
     # async loads: its lower-tier prefix is being copied to the GPU tier (its GPU blocks taken), and
     # whether that copy ended (it is queued again, first in line, with its blocks still taken)
     loading: bool = False
@@ -220,6 +222,8 @@ class SimWorker:
         # serial: assignments that came while a pull was on the link (pulls never overlap there, so
         # ``_link_free`` is when the one in flight lands)
         self._held: deque[Job] = deque()
+        # the blocks on the link now, by the job whose pull carries them (overlap admission)
+        self._pulling: dict[int, Job] = {}
         self._queue: deque[Job] = deque()
         self._decoding: list[Job] = []
         self._prefilling: Job | None = None
@@ -311,6 +315,16 @@ class SimWorker:
                 if self._admission != "overlap":
                     return
                 job.ready = False
+        if job.ready and self._pulling:
+            # The next blocks of its prompt are on the link for a request queued before it (the
+            # scheduler counted them as here): it waits for them, as the live worker does, rather than
+            # start at once and recompute them.
+            hashes = int_list(job.request.block_hashes)
+            local = len(self.cache.prefix_tiers(hashes))
+            puller = self._pulling.get(hashes[local]) if local < len(hashes) else None
+            if puller is not None:
+                job.ready = False
+                puller.waiters.append(job)
         self._enqueue(job, now_ms)
 
     def _plan_fetch(self, job: Job, now_ms: float) -> float | None:
@@ -346,6 +360,9 @@ class SimWorker:
         if have == start:
             return None
         job.fetch_range = (start, have)
+        if self._admission == "overlap":
+            for h in hashes[start:have]:
+                self._pulling[h] = job
         begin = max(now_ms, self._link_free)
         self._link_free = begin + cost  # one pull at a time on this worker's link
         return self._link_free
@@ -359,6 +376,13 @@ class SimWorker:
         self._publish(self.cache.insert(hashes[lo:hi], parents, 1), job, now_ms)
         self._hold_prefix(job)  # what it pulled extends the prefix it holds
         job.fetched_blocks = hi - lo
+        for h in hashes[lo:hi]:
+            if self._pulling.get(h) is job:
+                del self._pulling[h]
+        for waiter in job.waiters:  # queued already (overlap admission), passed over until now
+            self._hold_prefix(waiter)
+            waiter.ready = True
+        job.waiters = []
         if job.ready:
             self._enqueue(job, now_ms)
         else:

@@ -34,8 +34,11 @@ class RunningRequest:
     output: list[int] = field(default_factory=list)
     #: The request's stop strings over its output (None: it has none).
     stops: TextStream | None = None
-    #: Overlap admission: queued in the engine while its planned blocks are still being pulled.
+    #: Overlap admission: queued in the engine while its planned blocks are still being pulled (its own
+    #: pull, or the one that carries the next blocks of its prompt for a request queued before it).
     kv_pending: bool = False
+    #: Requests queued after this one that wait for its pull: it carries the next blocks of their prompts.
+    waiters: list[RunningRequest] = field(default_factory=list)
     #: The assignment's estimate of the prompt tokens to compute here (Assignment.prefill_tokens).
     expected_prefill_tokens: int | None = None
 

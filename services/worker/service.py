@@ -117,6 +117,8 @@ class WorkerService:
         self._admissions: asyncio.Queue[Assignment] = asyncio.Queue()
         # Overlap admission: pulls of requests already in the engine's queue, one at a time on the link
         self._pulls: asyncio.Queue[tuple[Assignment, RunningRequest, BlockSink]] = asyncio.Queue()
+        # the blocks those pulls bring (planned), by the request whose pull carries them
+        self._pulling: dict[int, RunningRequest] = {}
         # Request ids this worker has taken on (running or done), newest last: an Assignment for one
         # of them (decided again after a rebalance, or by a second replica) is not run twice.
         self._admitted: OrderedDict[str, None] = OrderedDict()
@@ -318,6 +320,7 @@ class WorkerService:
             await self._finish_error(rid, "worker shutting down")
         self._admissions = asyncio.Queue()
         self._pulls = asyncio.Queue()
+        self._pulling = {}
         self._pulls_open = 0
         if self.engine is not None and self._producer is not None:
             # Graceful shutdown: tell the fleet our blocks are gone (bounded: if the broker is already
@@ -456,6 +459,9 @@ class WorkerService:
             self._pulls_open += 1
             if self.settings.admission == "overlap":
                 entry.kv_pending = True
+                for plan in a.fetch:
+                    for h in plan.block_hashes:
+                        self._pulling[h] = entry
                 await self._inbox.put(("add", entry))  # before the pull's ("kv", id): the inbox is FIFO
                 self._pulls.put_nowait((a, entry, sink))
                 return
@@ -465,7 +471,22 @@ class WorkerService:
                 self._pulls_open -= 1
         elif a.fetch:
             entry.fallback = f"engine {self.engine.kind} takes no peer blocks; recomputing"
+        elif self._pulling:
+            self._wait_for_pull(entry)
         await self._inbox.put(("add", entry))
+
+    def _wait_for_pull(self, entry: RunningRequest) -> None:
+        """Overlap admission: when the next blocks of ``entry``'s prompt are on the link for a request
+        queued before it (the scheduler counted them as here when it chose this worker), it waits in
+        the engine's queue for that pull as the puller does, rather than start at once and compute
+        them again. A hot prompt being replicated here then costs one pull, not a pull and a prefill
+        of it per request that arrives meanwhile (README, "Traces it was not tuned on")."""
+        hashes = int_list(entry.request.block_hashes)
+        local = self.engine.lookup_prefix(hashes)
+        puller = self._pulling.get(hashes[local]) if local < len(hashes) else None
+        if puller is not None and puller.kv_pending:
+            entry.kv_pending = True
+            puller.waiters.append(entry)
 
     async def _pull(self, a: Assignment, entry: RunningRequest, sink: BlockSink) -> None:
         assert self._client is not None  # checked by _admit
@@ -492,6 +513,15 @@ class WorkerService:
                 self._pulls_open -= 1
                 entry.kv_pending = False
                 await self._inbox.put(("kv", entry))
+                for plan in a.fetch:
+                    for h in plan.block_hashes:
+                        if self._pulling.get(h) is entry:
+                            del self._pulling[h]
+                # those waiting for its blocks start with what landed and recompute the rest
+                waiters, entry.waiters = entry.waiters, []
+                for waiter in waiters:
+                    waiter.kv_pending = False
+                    await self._inbox.put(("kv", waiter))
 
     def _worth_fetching(self, n_blocks: int, cached_tokens: int) -> bool:
         """The shared cost model with this worker's measured figures (no profile yet: trust the plan)."""

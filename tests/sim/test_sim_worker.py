@@ -144,6 +144,27 @@ def test_an_assignment_that_arrives_during_a_pull_waits_for_it_only_under_serial
         assert ttft[0.01] > landed_ms  # admitted only once the pull landed
 
 
+def test_a_request_whose_next_blocks_are_on_the_link_waits_for_that_pull_and_reuses_them() -> None:
+    """Overlap admission, as the live worker: "same" (the pulled prompt, assigned while the pull is on
+    the link, with no pull of its own) waits for that pull and reuses its blocks; it does not start at
+    once and compute them again."""
+    h = _Harness("overlap")
+    w0, w1 = h.peers["w0"], h.peers["w1"]
+    pulled = _request(8, "pulled")
+    w1.cache.access(pulled.block_hashes, [0, *pulled.block_hashes[:-1]])
+    w0.assign(_assign(pulled, "w0", [FetchPlan("w1", w1.address, pulled.block_hashes, 0)]), 0.0, 0.0)
+    ((landed_ms, _, _),) = h.calls
+    same = msgspec.structs.replace(pulled, request_id="same", arrival_ms=0)
+    w0.assign(_assign(same, "w0", []), 0.01, 0.01)
+    assert landed_ms > 0.01 and w0.busy_until == 0.0  # nothing runs while the pull is on the link
+    h.run()
+    done = {c.request_id: c for c, _ in h.sent if isinstance(c, Completion)}
+    assert (done["pulled"].fetched_tokens, done["same"].fetched_tokens) == (8 * BS, 0)
+    assert (done["same"].reused_tokens, done["same"].recomputed_tokens) == (8 * BS, 1)
+    assert 0.01 + done["same"].ttft_ms > landed_ms
+    assert not w0._pulling
+
+
 def _long_request(n_blocks: int, rid: str, max_tokens: int) -> ChatRequest:
     from schemas.chat_requests import chat_request
 

@@ -374,15 +374,21 @@ async def test_a_resync_request_replaces_the_fleets_view_with_numbered_events(fl
     assert seqs == list(range(1, len(seqs) + 1)) and {e.epoch for e in seen} == {worker._started_ms}
 
 
+def _other() -> list[int]:
+    """A prompt that shares no block with :func:`_turn1`'s."""
+    return render_chat(TOK, [ChatMessage("user", "Count from one to nine, slowly, in words please.")])
+
+
 async def _pull_then_queue_behind(fleet: Fleet, peer: StalledPeer, tokens: list[int]) -> None:
-    """On worker-c: "pulling" starts a pull the peer holds open, then "behind" is assigned after it."""
+    """On worker-c: "pulling" starts a pull the peer holds open, then "behind", another prompt, is
+    assigned after it."""
     await fleet.producer.send(
         topics.ASSIGNMENTS,
         _assign(_request("pulling", tokens), "worker-c", fetch=[_stalled_plan(peer, tokens)]),
     )
     async with asyncio.timeout(30):
         await peer.asked.wait()
-    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", tokens), "worker-c"))
+    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("behind", _other()), "worker-c"))
 
 
 @pytest.mark.parametrize("admission", ["serial", "overlap"])
@@ -454,6 +460,68 @@ async def test_a_request_keeps_its_place_while_its_pull_runs_and_recomputes_what
     assert idle.kv_release == [] and idle.kv_free_blocks == idle.tiers[0].free_blocks > 0
     assert worker.metrics.value("kv_free_blocks") == idle.kv_free_blocks
     assert worker.engine.load().queue_depth == 0
+
+
+async def test_a_request_whose_next_blocks_are_on_the_link_waits_for_that_pull_and_reuses_them(
+    fleet: Fleet,
+) -> None:
+    """Overlap admission: turn 1 ran on worker-a; worker-c pulls its blocks for "pulling", and "same",
+    the same prompt assigned while that pull is on the link (the scheduler counted the blocks as
+    coming), waits for it and reuses them instead of computing them again beside it; "other", which
+    shares nothing with it, runs meanwhile. Both answers match a worker that computed everything."""
+    p1 = _turn1()
+    await fleet.run(_assign(_request("t1", p1), "worker-a"))
+    worker = await fleet.add_worker("worker-c")
+    hashes = block_hashes(p1, 16, NS)
+    held = fleet.workers["worker-a"].engine.lookup_prefix(hashes)
+    assert held == len(p1) // 16
+    plan = FetchPlan("worker-a", fleet.workers["worker-a"].transfer_address, hashes[:held], 0)
+    gate = asyncio.Event()
+    real_pull = worker._pull
+
+    async def gated_pull(a, entry, sink):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        await real_pull(a, entry, sink)
+
+    worker._pull = gated_pull  # type: ignore[method-assign]
+    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("pulling", p1), "worker-c", fetch=[plan]))
+    async with asyncio.timeout(30):
+        while not worker._pulling:
+            await asyncio.sleep(0.02)
+    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("same", p1), "worker-c"))
+    await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("other", _other()), "worker-c"))
+    await fleet.completion("other")  # the engine ran past both while the pull was held
+    assert "same" not in fleet.completions and "pulling" not in fleet.completions
+    gate.set()
+    pulled, same = await fleet.completion("pulling"), await fleet.completion("same")
+    assert pulled.fetched_tokens == held * 16
+    assert same.fetched_tokens == 0 and same.reused_tokens >= (held - 1) * 16  # what the pull brought
+    assert same.recomputed_tokens < 32
+    alone = await fleet.run(_assign(_request("alone", p1), "worker-b"))
+    assert pulled.output_token_ids == same.output_token_ids == alone.output_token_ids
+    assert not worker._pulling
+
+
+async def test_a_request_waiting_for_another_ones_pull_runs_when_that_pull_brings_nothing(
+    fleet: Fleet,
+) -> None:
+    """The pull it waits for stalls and then lands nothing: it runs, recomputed, as the puller does."""
+    worker = await fleet.add_worker("worker-c", fetch_timeout_s=120.0)
+    p1 = _turn1()
+    async with StalledPeer() as peer:
+        await _pull_then_queue_behind(fleet, peer, p1)
+        await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("same", p1), "worker-c"))
+        await fleet.completion("behind")
+        async with asyncio.timeout(30):
+            while not any(e.waiters for e in worker._pulling.values()):
+                await asyncio.sleep(0.02)
+        assert "same" not in fleet.completions
+        peer.release()
+        same = await fleet.completion("same")
+        pulled = await fleet.completion("pulling")
+    assert same.finish_reason in ("stop", "length") and same.recomputed_tokens == len(p1)
+    assert same.output_token_ids == pulled.output_token_ids
+    assert not worker._pulling
 
 
 @pytest.mark.parametrize("admission", ["serial", "overlap"])

@@ -79,7 +79,8 @@ class WorkerSettings(ShellSettings):
     fetch_timeout_s: float = 5.0
     # How an assignment with a transfer plan meets the engine. "overlap": it joins the engine's queue at
     # once and is passed over until its pull lands (vLLM's WAITING_FOR_REMOTE_KVS), so the requests
-    # behind it do not wait for the link. "serial": it joins after its pull, and every assignment that
+    # behind it do not wait for the link (unless the next blocks of their prompt are on it: those wait
+    # for that pull and reuse them). "serial": it joins after its pull, and every assignment that
     # arrives meanwhile waits too (the rule before; kept to compare). Pulls go one at a time either way.
     admission: Literal["overlap", "serial"] = "overlap"
     # Fleet-aware eviction: how many (other worker, block) copies the worker tracks from the fleet's

@@ -170,23 +170,25 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_onc
 ) -> None:
     """Overlap admission on vLLM: while the worker pulls a request's blocks, the connector answers
     "not known yet", vLLM passes the request over and runs the others; once the pull has landed the
-    request loads the blocks and answers as if it had computed them."""
+    request loads the blocks and answers as if it had computed them. So does a request of the same
+    prompt that waits for that pull without one of its own (``WorkerService._wait_for_pull``)."""
     p2, hashes, peer, want = _scenario(engine, "overlap")
     engine.reset_cache()
     expected = len(p2) - len(hashes) * BS  # what the scheduler expects computed after the pull
-    engine.add_request(
-        EngineRequest(
-            "overlap-t2",
-            "s-o",
-            p2,
-            block_hashes(p2, BS, NS_A),
-            NS_A,
-            10,
-            block_size=BS,
-            kv_pending=True,
-            expected_prefill_tokens=expected,
+    for rid in ("overlap-t2", "overlap-waiter"):
+        engine.add_request(
+            EngineRequest(
+                rid,
+                "s-o",
+                p2,
+                block_hashes(p2, BS, NS_A),
+                NS_A,
+                10,
+                block_size=BS,
+                kv_pending=True,
+                expected_prefill_tokens=expected,
+            )
         )
-    )
     other = render_chat(engine.tokenizer, [ChatMessage("user", "Meanwhile, something short.")])
     engine.add_request(
         EngineRequest("overlap-other", "s-x", other, block_hashes(other, BS, NS_A), NS_A, 4, block_size=BS)
@@ -194,9 +196,9 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_onc
     done: set[str] = set()
     while engine.has_work():
         done |= {o.request_id for o in engine.step() if o.finished}
-    assert done == {"overlap-other"}  # the waiting one never ran, and the loop did not spin on it
+    assert done == {"overlap-other"}  # the waiting ones never ran, and the loop did not spin on them
     load = engine.load()
-    assert load.queue_depth == 1 and load.queued_prefill_tokens == expected
+    assert load.queue_depth == 2 and load.queued_prefill_tokens == 2 * expected
 
     async def pull() -> int:
         async with BlockServer(peer, secret=SECRET) as server:
@@ -206,14 +208,21 @@ def test_a_request_waiting_for_its_pull_keeps_its_place_and_loads_the_blocks_onc
     engine.kv_arrived("overlap-t2", len(hashes))
     # what landed is held in the store for it until vLLM has loaded it (KvCacheManager.hold)
     assert engine.store is not None and engine.store._holds == {"overlap-t2": hashes}
-    out: list[int] = []
-    stats = None
+    engine.kv_arrived("overlap-waiter", len(hashes))  # its puller's pull ended
+    out: dict[str, list[int]] = {"overlap-t2": [], "overlap-waiter": []}
+    stats = {}
     while engine.has_work():
         for o in engine.step():
-            out += o.new_token_ids
-            stats = o.stats or stats
-    assert stats is not None and stats.promoted_blocks == len(hashes)
-    assert out == want
+            out[o.request_id] += o.new_token_ids
+            if o.stats is not None:
+                stats[o.request_id] = o.stats
+    assert stats["overlap-t2"].promoted_blocks == len(hashes)
+    # the waiter computed none of the pulled blocks: loaded from the store, or shared on the GPU with
+    # what t2 computed past them
+    waiter = stats["overlap-waiter"]
+    assert waiter.reused_tokens >= len(hashes) * BS
+    assert waiter.recomputed_tokens == len(p2) - waiter.reused_tokens <= len(p2) - len(hashes) * BS
+    assert out["overlap-t2"] == out["overlap-waiter"] == want
     assert engine.store._holds == {} and engine.store._held == {}
 
 

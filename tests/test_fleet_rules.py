@@ -77,3 +77,20 @@ def test_fetch_extends_the_local_prefix_and_stops_at_a_gap() -> None:
     assert plan_step(5, 2, have=3) == (Step.GAP, 3)  # 3 and 4 missing: a chained block is useless
     assert chain_parents([11, 12, 13, 14], 0, 2) == [0, 11]
     assert chain_parents([11, 12, 13, 14], 2, 2) == [12, 13]
+
+
+def test_a_request_waits_for_the_pull_that_carries_its_next_block() -> None:
+    from kvmesh_core.fetching import PullsInFlight
+
+    pulls: PullsInFlight[str] = PullsInFlight()
+    assert not pulls and pulls.carrier([1, 2, 3], 0) is None
+    pulls.add([1, 2, 3], "a")
+    pulls.add([3, 4], "b")  # a later pull of block 3 carries it from now on
+    assert pulls.carrier([1, 2, 3, 4], 0) == "a"  # nothing held: its first block comes with a
+    assert pulls.carrier([1, 2, 3, 4], 2) == "b"
+    assert pulls.carrier([1, 2], 2) is None  # all of its prompt is held here
+    assert pulls.carrier([9, 1], 0) is None  # its next block is on no pull
+    pulls.remove([1, 2, 3], "a")  # a ended: b keeps block 3
+    assert pulls.carrier([1, 2, 3], 0) is None and pulls.carrier([1, 2, 3], 2) == "b"
+    pulls.remove([3, 4], "b")
+    assert not pulls

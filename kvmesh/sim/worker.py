@@ -75,7 +75,7 @@ from kvmesh_core.costmodel import (
     recompute_ms,
 )
 from kvmesh_core.event_runs import EventRun
-from kvmesh_core.fetching import Step, chain_parents, plan_step
+from kvmesh_core.fetching import PullsInFlight, Step, chain_parents, plan_step
 from kvmesh_core.kv_room import kv_release
 from kvmesh_core.reuse import reusable_blocks
 from schemas.messages import (
@@ -223,7 +223,7 @@ class SimWorker:
         # ``_link_free`` is when the one in flight lands)
         self._held: deque[Job] = deque()
         # the blocks on the link now, by the job whose pull carries them (overlap admission)
-        self._pulling: dict[int, Job] = {}
+        self._pulling: PullsInFlight[Job] = PullsInFlight()
         self._queue: deque[Job] = deque()
         self._decoding: list[Job] = []
         self._prefilling: Job | None = None
@@ -320,8 +320,7 @@ class SimWorker:
             # scheduler counted them as here): it waits for them, as the live worker does, rather than
             # start at once and recompute them.
             hashes = int_list(job.request.block_hashes)
-            local = len(self.cache.prefix_tiers(hashes))
-            puller = self._pulling.get(hashes[local]) if local < len(hashes) else None
+            puller = self._pulling.carrier(hashes, len(self.cache.prefix_tiers(hashes)))
             if puller is not None:
                 job.ready = False
                 puller.waiters.append(job)
@@ -361,8 +360,7 @@ class SimWorker:
             return None
         job.fetch_range = (start, have)
         if self._admission == "overlap":
-            for h in hashes[start:have]:
-                self._pulling[h] = job
+            self._pulling.add(hashes[start:have], job)
         begin = max(now_ms, self._link_free)
         self._link_free = begin + cost  # one pull at a time on this worker's link
         return self._link_free
@@ -376,9 +374,7 @@ class SimWorker:
         self._publish(self.cache.insert(hashes[lo:hi], parents, 1), job, now_ms)
         self._hold_prefix(job)  # what it pulled extends the prefix it holds
         job.fetched_blocks = hi - lo
-        for h in hashes[lo:hi]:
-            if self._pulling.get(h) is job:
-                del self._pulling[h]
+        self._pulling.remove(hashes[lo:hi], job)
         for waiter in job.waiters:  # queued already (overlap admission), passed over until now
             self._hold_prefix(waiter)
             waiter.ready = True

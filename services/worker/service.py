@@ -36,6 +36,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from kvmesh_core.costmodel import fetch_beats_recompute
+from kvmesh_core.fetching import PullsInFlight
 from kvmesh_core.runtime import rolled_back_on_failure
 from kvmesh_core.text_stream import TextStream
 from schemas.messages import (
@@ -118,7 +119,7 @@ class WorkerService:
         # Overlap admission: pulls of requests already in the engine's queue, one at a time on the link
         self._pulls: asyncio.Queue[tuple[Assignment, RunningRequest, BlockSink]] = asyncio.Queue()
         # the blocks those pulls bring (planned), by the request whose pull carries them
-        self._pulling: dict[int, RunningRequest] = {}
+        self._pulling: PullsInFlight[RunningRequest] = PullsInFlight()
         # Request ids this worker has taken on (running or done), newest last: an Assignment for one
         # of them (decided again after a rebalance, or by a second replica) is not run twice.
         self._admitted: OrderedDict[str, None] = OrderedDict()
@@ -320,7 +321,7 @@ class WorkerService:
             await self._finish_error(rid, "worker shutting down")
         self._admissions = asyncio.Queue()
         self._pulls = asyncio.Queue()
-        self._pulling = {}
+        self._pulling = PullsInFlight()
         self._pulls_open = 0
         if self.engine is not None and self._producer is not None:
             # Graceful shutdown: tell the fleet our blocks are gone (bounded: if the broker is already
@@ -460,8 +461,7 @@ class WorkerService:
             if self.settings.admission == "overlap":
                 entry.kv_pending = True
                 for plan in a.fetch:
-                    for h in plan.block_hashes:
-                        self._pulling[h] = entry
+                    self._pulling.add(plan.block_hashes, entry)
                 await self._inbox.put(("add", entry))  # before the pull's ("kv", id): the inbox is FIFO
                 self._pulls.put_nowait((a, entry, sink))
                 return
@@ -482,8 +482,7 @@ class WorkerService:
         them again. A hot prompt being replicated here then costs one pull, not a pull and a prefill
         of it per request that arrives meanwhile (README, "Traces it was not tuned on")."""
         hashes = int_list(entry.request.block_hashes)
-        local = self.engine.lookup_prefix(hashes)
-        puller = self._pulling.get(hashes[local]) if local < len(hashes) else None
+        puller = self._pulling.carrier(hashes, self.engine.lookup_prefix(hashes))
         if puller is not None and puller.kv_pending:
             entry.kv_pending = True
             puller.waiters.append(entry)
@@ -514,9 +513,7 @@ class WorkerService:
                 entry.kv_pending = False
                 await self._inbox.put(("kv", entry))
                 for plan in a.fetch:
-                    for h in plan.block_hashes:
-                        if self._pulling.get(h) is entry:
-                            del self._pulling[h]
+                    self._pulling.remove(plan.block_hashes, entry)
                 # those waiting for its blocks start with what landed and recompute the rest
                 waiters, entry.waiters = entry.waiters, []
                 for waiter in waiters:

@@ -512,8 +512,9 @@ async def test_a_request_waiting_for_another_ones_pull_runs_when_that_pull_bring
         await _pull_then_queue_behind(fleet, peer, p1)
         await fleet.producer.send(topics.ASSIGNMENTS, _assign(_request("same", p1), "worker-c"))
         await fleet.completion("behind")
-        async with asyncio.timeout(30):
-            while not any(e.waiters for e in worker._pulling.values()):
+        hashes = block_hashes(p1, 16, NS)
+        async with asyncio.timeout(30):  # "same" waits for the pull that carries its first block
+            while (carrier := worker._pulling.carrier(hashes, 0)) is None or not carrier.waiters:
                 await asyncio.sleep(0.02)
         assert "same" not in fleet.completions
         peer.release()
